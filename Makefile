@@ -1,0 +1,19 @@
+# The README's two commands: `make demo` and `make test`. Both install first (idempotent).
+VENV := .venv
+PY := $(VENV)/bin/python
+export TF_CPP_MIN_LOG_LEVEL ?= 3
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install demo test bench clean
+
+install:
+	./scripts/install.sh
+
+demo: install
+	$(VENV)/bin/horovodrun -np 2 -H localhost:2 $(PY) examples/torch_digits.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,137 @@
+"""TensorOps for numpy arrays: host buffers (mpi4py) and reference simulations (benchmarks)."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, ContextManager, Optional, Sequence
+
+import numpy as np
+
+from ..tensor_ops import Shape
+
+
+def _np_dtype(dtype: str) -> Any:
+    if dtype == "bfloat16":
+        import ml_dtypes  # numpy has no bfloat16 of its own; ml_dtypes ships with TensorFlow and JAX
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def _seed_words(seed: Any) -> int:
+    if isinstance(seed, (int, np.integer)):
+        return int(seed) & 0xFFFFFFFFFFFFFFFF
+    words = np.asarray(seed, dtype=np.int64).ravel().tobytes()
+    return int.from_bytes(hashlib.blake2b(words, digest_size=8).digest(), "little")
+
+
+class NumpyOps:
+    name = "numpy"
+
+    def dtype_name(self, x: np.ndarray) -> str:
+        return "bfloat16" if x.dtype.name == "bfloat16" else x.dtype.name
+
+    def shape(self, x: np.ndarray) -> Shape:
+        return tuple(x.shape)
+
+    def numel(self, x: np.ndarray) -> int:
+        return int(x.size)
+
+    def zeros(self, shape: Shape, dtype: str, like: Optional[np.ndarray] = None) -> np.ndarray:
+        return np.zeros(shape, dtype=_np_dtype(dtype))
+
+    def empty(self, shape: Shape, dtype: str, like: Optional[np.ndarray] = None) -> np.ndarray:
+        return np.empty(shape, dtype=_np_dtype(dtype))
+
+    def full(self, shape: Shape, value: float, dtype: str, like: Optional[np.ndarray] = None) -> np.ndarray:
+        return np.full(shape, value, dtype=_np_dtype(dtype))
+
+    def cast(self, x: np.ndarray, dtype: str) -> np.ndarray:
+        return x.astype(_np_dtype(dtype), copy=False)
+
+    def reshape(self, x: np.ndarray, shape: Shape) -> np.ndarray:
+        return np.reshape(x, shape)
+
+    def concat(self, xs: Sequence[np.ndarray], axis: int = 0) -> np.ndarray:
+        return np.concatenate(list(xs), axis=axis)
+
+    def stack(self, xs: Sequence[np.ndarray], axis: int) -> np.ndarray:
+        return np.stack(list(xs), axis=axis)
+
+    def sum(self, x: np.ndarray, axis: int, keepdims: bool = False) -> np.ndarray:
+        return np.sum(x, axis=axis, keepdims=keepdims, dtype=x.dtype)
+
+    def abs(self, x: np.ndarray) -> np.ndarray:
+        return np.abs(x)
+
+    def amax(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.max(x, axis=axis)
+
+    def round(self, x: np.ndarray) -> np.ndarray:
+        return np.round(x)
+
+    def floor(self, x: np.ndarray) -> np.ndarray:
+        return np.floor(x)
+
+    def clip(self, x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+        return np.clip(x, lo, hi).astype(x.dtype, copy=False)
+
+    def where(self, cond: np.ndarray, a: Any, b: Any) -> np.ndarray:
+        out = np.where(cond, a, b)
+        ref = a if isinstance(a, np.ndarray) else b
+        return out.astype(ref.dtype, copy=False) if isinstance(ref, np.ndarray) else out
+
+    def isfinite(self, x: np.ndarray) -> np.ndarray:
+        return np.isfinite(x)
+
+    def isnan(self, x: np.ndarray) -> np.ndarray:
+        return np.isnan(x)
+
+    def all(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.all(x, axis=axis)
+
+    def logical_and(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.logical_and(a, b)
+
+    def bitcast(self, x: np.ndarray, dtype: str) -> np.ndarray:
+        return np.ascontiguousarray(x).view(_np_dtype(dtype))
+
+    def uniform(self, shape: Shape, seed: Any, like: Optional[np.ndarray] = None) -> np.ndarray:
+        return np.random.default_rng(_seed_words(seed)).random(shape, dtype=np.float32)
+
+    def new_state(self, value: np.ndarray) -> np.ndarray:
+        return np.array(value, copy=True)
+
+    def assign(self, state: np.ndarray, value: np.ndarray) -> np.ndarray:
+        state[...] = value
+        return state
+
+    def read(self, state: np.ndarray) -> np.ndarray:
+        return state
+
+    def to_numpy(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def from_numpy(self, a: np.ndarray, like: Optional[np.ndarray] = None) -> np.ndarray:
+        return a
+
+    def copy_into_(self, dst: np.ndarray, offset: int, src: np.ndarray) -> None:
+        dst[offset:offset + src.size] = np.ravel(src)
+
+    def fill_(self, dst: np.ndarray, offset: int, numel: int, value: float) -> None:
+        dst[offset:offset + numel] = value
+
+    def view(self, flat: np.ndarray, offset: int, numel: int, shape: Shape) -> np.ndarray:
+        return flat[offset:offset + numel].reshape(shape)
+
+    def stream_guard(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def ready_marker(self, like: np.ndarray) -> Any:
+        return None
+
+    def wait_marker(self, marker: Any) -> None:
+        return None
+
+
+NUMPY_OPS = NumpyOps()

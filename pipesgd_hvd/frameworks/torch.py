@@ -1,0 +1,463 @@
+"""PyTorch adapter: hooks, ``.grad`` and the wrapped optimizer. No pipeline logic lives here.
+
+It translates between PyTorch and :class:`~pipesgd_hvd.engine.PipelineEngine`: a
+post-accumulate-grad hook hands each parameter's gradient to the engine as soon as the backward
+pass produces it, ``synchronize()`` ends the step and writes the averaged (stale) gradient into
+``.grad``, ``step()`` runs the wrapped optimizer on it.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import weakref
+import warnings
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..comm.base import Communicator, ReduceOp
+from ..compression import Compression, resolve_compression
+from ..engine import AppliedStep, PipelineConfig, PipelineEngine, WireStats
+from ..fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec
+from .torch_ops import TORCH_OPS, dtype_name
+
+try:  # Horovod is the default transport, but torchrun users may not have it
+    import horovod.torch as _hvd
+except ImportError:  # pragma: no cover - exercised only without Horovod
+    _hvd = None
+
+
+def _reduce_op(op: Any) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if op is None or (isinstance(op, str) and op.lower() == "average"):
+        return ReduceOp.AVERAGE
+    if isinstance(op, str) and op.lower() == "sum":
+        return ReduceOp.SUM
+    if _hvd is not None and isinstance(op, int) and not isinstance(op, bool):
+        if op == _hvd.Average:
+            return ReduceOp.AVERAGE
+        if op == _hvd.Sum:
+            return ReduceOp.SUM
+        if op == _hvd.Adasum:
+            raise ValueError("op=Adasum is not supported by pipesgd_hvd (it is not a sum of gradients, so it "
+                             "cannot be pipelined or compressed): use op=Average")
+    raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+
+
+def default_communicator(name: Optional[str] = None) -> Communicator:
+    """Horovod when it is initialized, else torch.distributed; ``name`` or ``PIPESGD_COMMUNICATOR``
+    ("horovod", "mpi4py", "torch.distributed") picks one explicitly."""
+    import os
+
+    name = name or os.environ.get("PIPESGD_COMMUNICATOR") or None
+    if name == "mpi4py":
+        from ..comm.mpi4py import Mpi4pyCommunicator
+
+        return Mpi4pyCommunicator(TORCH_OPS)
+    if name in (None, "horovod") and _hvd is not None and _hvd.is_initialized():
+        from ..comm.horovod_torch import HorovodTorchCommunicator
+
+        return HorovodTorchCommunicator()
+    if name in (None, "torch.distributed"):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from ..comm.torch_distributed import TorchDistributedCommunicator
+
+            return TorchDistributedCommunicator()
+    if name not in (None, "horovod", "torch.distributed"):
+        raise ValueError(f"unknown communicator {name!r}: use 'horovod', 'mpi4py' or 'torch.distributed'")
+    raise RuntimeError("no communicator is ready: call hvd.init() (or torch.distributed.init_process_group()) "
+                       "before creating DistributedOptimizer")
+
+
+def _named(optimizer: torch.optim.Optimizer,
+           named_parameters: Optional[Sequence[Tuple[str, torch.Tensor]]]) -> List[Tuple[str, torch.Tensor]]:
+    """(name, parameter) for every parameter of the optimizer, in param-group order (Horovod's checks)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
+                         "produced by model.named_parameters()")
+    seen, dups = set(), set()
+    for name, _ in named:
+        (dups if name in seen else seen).add(name)
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {', '.join(sorted(dups))}")
+    by_id = {id(p): name for name, p in named}
+    unnamed = [p for p in params if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(f"named_parameters was given, but {len(unnamed)} parameter(s) of the optimizer are not "
+                         f"in it (shapes {[tuple(p.shape) for p in unnamed][:5]}); pass model.named_parameters() "
+                         "of the model the optimizer trains")
+    return [(by_id[id(p)], p) for p in params]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a ``torch.optim`` optimizer so that gradients are averaged across ranks, pipelined.
+
+    Drop-in for ``horovod.torch.DistributedOptimizer`` (same arguments, same order)::
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size(), momentum=0.9)
+        opt = psgd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                        compression=psgd.Compression.int8)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        for x, y in loader:
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        opt.flush()   # applies the last in-flight gradient
+
+    **Staleness contract.** With ``width=K`` the update of step t uses the gradient averaged over
+    ranks from step t-K+1 (computed on the weights of that step): ``K=2`` (default) is Pipe-SGD, its
+    all-reduce runs while the next step computes; ``K=1`` is Horovod's synchronous update, bit for
+    bit. The first ``warmup_steps`` steps are synchronous; then the first K-1 steps apply nothing
+    (their ``step()`` leaves the weights alone while the pipeline fills). ``flush()`` applies what
+    is in flight; ``state_dict()`` saves it, so a restart continues exactly.
+
+    Args (Horovod's, in Horovod's order):
+        optimizer: the optimizer to wrap; its ``param_groups`` and ``state`` are used in place.
+        named_parameters: ``model.named_parameters()``; names identify tensors across ranks.
+        compression: ``psgd.Compression.none`` (default), ``.fp16``, ``.bf16``, ``.truncate16``,
+            ``.int8``, ``.int4``, a codec built from its blocks, or Horovod's ``hvd.Compression.none``/
+            ``.fp16`` (all-reduced in float16, as in Horovod).
+        backward_passes_per_step: backward passes accumulated locally before a reduction.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``. Adasum is not supported.
+        gradient_predivide_factor: with Average, scale by 1/f before the sum and f/size after.
+        num_groups, groups: accepted for compatibility and ignored: gradients are fused into
+            buckets of ``fusion_threshold_mb`` instead.
+        sparse_as_dense: densify sparse gradients (otherwise a sparse gradient is an error).
+        process_set: only Horovod's global process set is supported.
+    Keyword-only (ours):
+        width: pipeline width K >= 1 (default 2).
+        warmup_steps: synchronous steps before pipelining (default 0).
+        fusion_threshold_mb: bucket size in MiB (default 64, Horovod's).
+        communicator: a Communicator, or "horovod" / "mpi4py" / "torch.distributed"
+            (default: Horovod if initialized, else torch.distributed).
+        grad_scaler: the ``torch.amp.GradScaler`` in use, if any; a stale gradient is then
+            rescaled by the ratio of loss scales (now / when it was computed). Use Horovod's AMP
+            pattern: ``scaler.scale(loss).backward(); opt.synchronize(); scaler.unscale_(opt)``
+            (optional), ``with opt.skip_synchronize(): scaler.step(opt)``; ``scaler.update()``.
+        seed: seeds stochastic rounding (the same on every rank).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1, op: Any = None,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                 sparse_as_dense: bool = False, process_set: Any = None, *, width: int = 2,
+                 warmup_steps: int = 0, fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20,
+                 communicator: Any = None, grad_scaler: Any = None, seed: int = 0) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a pipesgd_hvd DistributedOptimizer")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        if process_set is not None and _hvd is not None and process_set is not _hvd.global_process_set:
+            raise ValueError("pipesgd_hvd supports only Horovod's global process set; omit process_set")
+        if not isinstance(fusion_threshold_mb, (int, float)) or fusion_threshold_mb < 0:
+            raise ValueError(f"fusion_threshold_mb must be a number >= 0, got {fusion_threshold_mb!r}")
+        self._optimizer = optimizer
+        self._named = _named(optimizer, named_parameters)
+        self._params = [p for _, p in self._named]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self.backward_passes_per_step = backward_passes_per_step
+        self.sparse_as_dense = sparse_as_dense
+        self._grad_scaler = grad_scaler
+        self.width = width
+        digest = hashlib.blake2b(repr([n for n, _ in self._named]).encode(), digest_size=3).hexdigest()
+        self._config = PipelineConfig(width=width, warmup_steps=warmup_steps,
+                                      fusion_threshold_bytes=int(fusion_threshold_mb * 2**20), op=_reduce_op(op),
+                                      gradient_predivide_factor=gradient_predivide_factor,
+                                      name=f"psgd.{digest}", seed=seed)
+        self._codec_template = compression
+        self._comm = communicator if communicator is not None and not isinstance(communicator, str) \
+            else default_communicator(communicator)
+        self._engine = self._build_engine()
+
+        self._passes = [0] * len(self._params)
+        self._hooks: Dict[int, Any] = {}
+        self._register_hooks()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._apply_pending = False
+        self._stepped = False  # a pipelined step has happened (see _is_state_initialization)
+
+        # torch.optim.Optimizer's own bookkeeping, which LR schedulers and step hooks rely on; the
+        # parameters and state stay the wrapped optimizer's (see the properties below).
+        self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+        # Nothing computed is lost: gradients still in flight when the interpreter exits are applied.
+        atexit.register(_flush_at_exit, weakref.ref(self))
+
+    def _build_engine(self) -> PipelineEngine:
+        specs = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype), str(p.device)) for name, p in self._named]
+        anchors = {str(p.device): p for p in self._params}
+        return PipelineEngine(specs, ops=TORCH_OPS, comm=self._comm, codec=resolve_compression(self._codec_template),
+                              config=self._config, device_anchors=anchors)
+
+    # ------------------------------------------------------------- forwarding to the wrapped one
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._optimizer.state = value
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: Dict[str, Any]) -> None:
+        self._optimizer.defaults = value
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._optimizer
+
+    @property
+    def engine(self) -> PipelineEngine:
+        return self._engine
+
+    @property
+    def stats(self) -> WireStats:
+        """Bytes sent so far, and the float32 ring all-reduce equivalent."""
+        return self._engine.stats
+
+    def __repr__(self) -> str:
+        return (f"pipesgd_hvd.DistributedOptimizer(width={self._config.width}, warmup_steps={self._config.warmup_steps}, "
+                f"compression={self._engine.codec.name}, optimizer={self._optimizer!r})")
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if self._engine.step > 0 or self._engine.step_open:
+            raise RuntimeError("add_param_group() after training started is not supported by pipesgd_hvd: add all "
+                               "parameter groups before the first step, and freeze or unfreeze parameters with "
+                               "requires_grad instead")
+        self._optimizer.add_param_group(param_group)
+        group = len(self.param_groups) - 1  # named as Horovod names unnamed parameters
+        self._named = self._named + [(f"allreduce.noname.{group}.{j}", p)
+                                     for j, p in enumerate(self.param_groups[group]["params"])]
+        self._params = [p for _, p in self._named]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._passes = [0] * len(self._params)
+        self._engine.close()
+        self._engine = self._build_engine()
+        self._register_hooks()
+
+    # ------------------------------------------------------------------------------ the hooks
+    def _register_hooks(self) -> None:
+        for i, p in enumerate(self._params):
+            if p.requires_grad and i not in self._hooks:
+                self._hooks[i] = p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        self_ref = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            opt = self_ref()
+            if opt is not None:
+                opt._gradient_ready(index, param)
+
+        return hook
+
+    def _active(self) -> List[int]:
+        return [i for i, p in enumerate(self._params) if p.requires_grad]
+
+    def _checked_grad(self, index: int, p: torch.Tensor) -> torch.Tensor:
+        grad, name = p.grad, self._named[index][0]
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                raise ValueError(f"parameter '{name}' has a sparse gradient: pass sparse_as_dense=True to "
+                                 "DistributedOptimizer (or use a dense embedding)")
+            grad = grad.to_dense()
+        if not grad.is_floating_point():
+            raise TypeError(f"parameter '{name}' has a {grad.dtype} gradient: only floating-point gradients "
+                            "can be averaged")
+        if grad.device != p.device:
+            raise ValueError(f"parameter '{name}' is on {p.device} but its gradient is on {grad.device}: keep "
+                             "gradients on their parameter's device")
+        return grad
+
+    def _gradient_ready(self, index: int, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        if not self._engine.step_open:
+            self._engine.begin_step(self._active())
+        passes = self._passes[index] + 1
+        if passes > self.backward_passes_per_step:
+            raise RuntimeError(f"gradients of '{self._named[index][0]}' were computed more than "
+                               f"backward_passes_per_step={self.backward_passes_per_step} times before step(); "
+                               "increase backward_passes_per_step to accumulate gradients locally")
+        self._passes[index] = passes
+        if passes == self.backward_passes_per_step:
+            self._engine.add_gradient_(index, self._checked_grad(index, p))
+
+    # ----------------------------------------------------------------------- the step itself
+    def synchronize(self) -> None:
+        """End this step's communication and put the gradient to apply now into ``.grad``:
+        the average of step t-K+1 (zeros while the pipeline fills, and step() then applies nothing)."""
+        if self._synchronized:
+            return
+        engine = self._engine
+        if not engine.step_open:
+            manual = [i for i in self._active() if self._params[i].grad is not None]
+            if not manual:
+                raise RuntimeError("step()/synchronize() was called without a backward pass since the last step: "
+                                   "call loss.backward() before every step() on every rank (to skip a batch, skip "
+                                   "both on all ranks)")
+            engine.begin_step(self._active())
+        # Gradients whose hook did not fire (set by hand, or a parameter unfrozen since the hooks
+        # were registered) are taken as they are, as Horovod's synchronize() does.
+        for i in self._active():
+            p = self._params[i]
+            if p.grad is not None and not engine.has_gradient(i):
+                engine.add_gradient_(i, self._checked_grad(i, p))
+        self._passes = [0] * len(self._params)
+        self._register_hooks()
+        applied = engine.end_step(meta=self._loss_scale())
+        for early in applied[:-1]:  # only when the width shrinks: apply older steps right away
+            self._write_grads(early)
+            self._optimizer.step()
+        self._apply_pending = bool(applied)
+        if applied:
+            self._write_grads(applied[-1])
+        else:
+            # Nothing to apply while the pipeline fills: zero gradients (not None, so that code run
+            # between synchronize() and step(), e.g. GradScaler.unscale_, sees finite gradients);
+            # step() will not run the wrapped optimizer on them.
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        self._synchronized = True
+        self._stepped = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside it does not synchronize: call ``synchronize()`` yourself first
+        (gradient clipping, AMP's ``unscale_``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        if self._is_state_initialization():
+            return self._optimizer.step(closure)
+        if closure is not None and self._config.width > 1:
+            raise ValueError("step(closure) re-evaluates the loss, which a pipelined optimizer cannot do; "
+                             "compute the loss before step(), or use width=1")
+        if self._should_synchronize:
+            if self._grad_scaler is not None and not self._synchronized:
+                raise RuntimeError("with grad_scaler, call optimizer.synchronize() before scaler.step(optimizer) and "
+                                   "wrap it in optimizer.skip_synchronize(), so that the scaler unscales and checks the "
+                                   "gradient that is applied (Horovod's AMP pattern)")
+            self.synchronize()
+        elif not self._synchronized:
+            raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
+        self._synchronized = False
+        if not self._apply_pending:
+            return None
+        self._apply_pending = False
+        return self._optimizer.step(closure)
+
+    def flush(self) -> int:
+        """Apply every gradient still in flight (call once training ends); returns how many steps.
+        With a grad_scaler, gradients are unscaled here and a non-finite one is skipped."""
+        applied_count = 0
+        if self._apply_pending:
+            self._optimizer.step()
+            self._apply_pending, self._synchronized = False, False
+            applied_count += 1
+        for applied in self._engine.flush():
+            self._write_grads(applied, unscale=self._grad_scaler is not None)
+            if self._grad_scaler is None or all(torch.isfinite(p.grad).all() for p in self._params if p.grad is not None):
+                self._optimizer.step()
+                applied_count += 1
+        self._passes = [0] * len(self._params)
+        return applied_count
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _is_state_initialization(self) -> bool:
+        """True for a step() before any training with all-zero gradients and no backward pass: how
+        ``hvd.broadcast_optimizer_state`` makes a fresh optimizer create its state. Zero gradients
+        from identical weights give identical results on every rank, so it runs locally."""
+        if self._stepped or self._engine.step_open or self._engine.step > 0:
+            return False
+        grads = [p.grad for p in self._params if p.grad is not None]
+        return bool(grads) and all(not g.is_sparse and not bool(g.any()) for g in grads)
+
+    def _loss_scale(self) -> Optional[float]:
+        return float(self._grad_scaler.get_scale()) if self._grad_scaler is not None else None
+
+    def _write_grads(self, applied: AppliedStep, unscale: bool = False) -> None:
+        ratio = 1.0
+        if applied.meta is not None:  # loss scale when the gradient was computed
+            ratio = (1.0 if unscale else self._loss_scale()) / applied.meta
+        for i, p in enumerate(self._params):
+            g = applied.grads.get(i)
+            if g is None:
+                p.grad = None
+                continue
+            if ratio != 1.0:
+                g = g * ratio
+            if p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype and not p.grad.is_sparse:
+                p.grad.copy_(g)
+            else:
+                p.grad = g.detach().clone()
+
+    # ------------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's state dict plus ``"pipesgd"``: in-flight gradients (waited for),
+        codec state (error-feedback residuals) and the step count."""
+        if self._apply_pending:
+            raise RuntimeError("state_dict() between synchronize() and step(): call step() first")
+        state = self._optimizer.state_dict()
+        state["pipesgd"] = self._engine.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        state_dict = dict(state_dict)
+        ours = state_dict.pop("pipesgd", None)
+        self._optimizer.load_state_dict(state_dict)
+        if ours is not None:
+            self._engine.load_state_dict(ours)
+            self._stepped = self._engine.step > 0
+
+
+
+def _flush_at_exit(ref: "weakref.ref[DistributedOptimizer]") -> None:
+    opt = ref()
+    if opt is None:
+        return
+    if opt._engine.in_flight or opt._apply_pending:
+        try:
+            count = opt.flush()
+            warnings.warn(f"pipesgd_hvd: applied {count} in-flight step(s) at exit; call optimizer.flush() "
+                          "when training ends, before saving the model")
+        except Exception as exc:  # the transport may already be gone at exit
+            warnings.warn(f"pipesgd_hvd: could not apply in-flight gradients at exit: {exc}")
+    opt._engine.close()

@@ -1,0 +1,178 @@
+"""TensorOps for PyTorch tensors, on CPU or CUDA (codec work goes to a side CUDA stream)."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, ContextManager, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..tensor_ops import Shape
+
+_DTYPES = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+    "float64": torch.float64, "uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32,
+    "int64": torch.int64, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return _DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _standard_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _device(like: Optional[torch.Tensor]) -> torch.device:
+    return like.device if like is not None else torch.device("cpu")
+
+
+class TorchOps:
+    name = "torch"
+
+    def __init__(self) -> None:
+        # One side stream per device and thread that runs codec work (the engine's comm thread).
+        self._streams = threading.local()
+
+    def dtype_name(self, x: torch.Tensor) -> str:
+        return dtype_name(x.dtype)
+
+    def shape(self, x: torch.Tensor) -> Shape:
+        return tuple(x.shape)
+
+    def numel(self, x: torch.Tensor) -> int:
+        return x.numel()
+
+    def zeros(self, shape: Shape, dtype: str, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return torch.zeros(shape, dtype=_DTYPES[dtype], device=_device(like))
+
+    def empty(self, shape: Shape, dtype: str, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return torch.empty(shape, dtype=_DTYPES[dtype], device=_device(like))
+
+    def full(self, shape: Shape, value: float, dtype: str, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return torch.full(shape, value, dtype=_DTYPES[dtype], device=_device(like))
+
+    def cast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(_DTYPES[dtype])
+
+    def reshape(self, x: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return x.reshape(shape)
+
+    def concat(self, xs: Sequence[torch.Tensor], axis: int = 0) -> torch.Tensor:
+        return torch.cat(list(xs), dim=axis)
+
+    def stack(self, xs: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
+        return torch.stack(list(xs), dim=axis)
+
+    def sum(self, x: torch.Tensor, axis: int, keepdims: bool = False) -> torch.Tensor:
+        return torch.sum(x, dim=axis, keepdim=keepdims)
+
+    def abs(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.abs(x)
+
+    def amax(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.amax(x, dim=axis)
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    def floor(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.floor(x)
+
+    def clip(self, x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+        return torch.clamp(x, lo, hi)
+
+    def where(self, cond: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
+        return torch.where(cond, a, b)
+
+    def isfinite(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.isfinite(x)
+
+    def isnan(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.isnan(x)
+
+    def all(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.all(x, dim=axis)
+
+    def logical_and(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.logical_and(a, b)
+
+    def bitcast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        # view(dtype) needs standard strides; a one-row column slice counts as "contiguous" while
+        # keeping its parent's row stride, so compare against the standard strides explicitly.
+        if x.stride() != _standard_strides(x.shape):
+            x = x.clone(memory_format=torch.contiguous_format)
+        return x.view(_DTYPES[dtype])
+
+    def uniform(self, shape: Shape, seed: Any, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        device = _device(like)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
+        return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+
+    def new_state(self, value: torch.Tensor) -> torch.Tensor:
+        return value.detach().clone()
+
+    def assign(self, state: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return state.copy_(value)
+
+    def read(self, state: torch.Tensor) -> torch.Tensor:
+        return state
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        if x.device.type != "cpu":
+            raise ValueError("to_numpy needs a host tensor; this communicator works on CPU tensors only")
+        if x.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw bits
+            return x.view(torch.int16).numpy()
+        return x.numpy()
+
+    def from_numpy(self, a: np.ndarray, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = torch.from_numpy(a)
+        if like is not None and like.dtype == torch.bfloat16 and out.dtype == torch.int16:
+            out = out.view(torch.bfloat16)
+        return out.to(_device(like)) if like is not None else out
+
+    def copy_into_(self, dst: torch.Tensor, offset: int, src: torch.Tensor) -> None:
+        dst.narrow(0, offset, src.numel()).copy_(src.reshape(-1))
+
+    def fill_(self, dst: torch.Tensor, offset: int, numel: int, value: float) -> None:
+        dst.narrow(0, offset, numel).fill_(value)
+
+    def view(self, flat: torch.Tensor, offset: int, numel: int, shape: Shape) -> torch.Tensor:
+        return flat.narrow(0, offset, numel).view(shape)
+
+    def _side_stream(self) -> Any:
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream()
+        return stream
+
+    def stream_guard(self) -> ContextManager[Any]:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._side_stream())
+
+    def ready_marker(self, like: torch.Tensor) -> Any:
+        if like.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(like.device))
+        return event
+
+    def wait_marker(self, marker: Any) -> None:
+        if marker is not None:
+            torch.cuda.current_stream().wait_event(marker)
+
+
+TORCH_OPS = TorchOps()

@@ -1,0 +1,87 @@
+"""The one seam between framework-free code and a framework's tensors.
+
+Codecs, the compressed all-reduce and the pipeline engine are written once against
+:class:`TensorOps`; each framework supplies a small table (``frameworks/numpy_ops.py``,
+``frameworks/torch_ops.py``, ``frameworks/tf_ops.py``). Element-wise arithmetic uses Python's
+operators (``+ - * /``) and basic slicing (``x[:, a:b]``, ``x[:, 0::2]``), which all three support
+with the same meaning; everything else goes through the table.
+
+Dtypes are named by strings ("float32", "float16", "bfloat16", "uint8", ...) so that nothing here
+imports a framework.
+"""
+from __future__ import annotations
+
+from typing import Any, ContextManager, Optional, Protocol, Sequence, Tuple
+
+Tensor = Any  # a numpy array, torch.Tensor or tf.Tensor, depending on the table
+Shape = Tuple[int, ...]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# Bytes per element for the dtypes the engine and codecs move.
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1,
+            "int32": 4, "int64": 8}
+
+
+class TensorOps(Protocol):
+    """Functional tensor operations every framework provides (usable inside a traced graph)."""
+
+    name: str
+
+    def dtype_name(self, x: Tensor) -> str: ...
+    def shape(self, x: Tensor) -> Shape: ...
+    def numel(self, x: Tensor) -> int: ...
+    def zeros(self, shape: Shape, dtype: str, like: Optional[Tensor] = None) -> Tensor:
+        """Zeros on ``like``'s device (host when None)."""
+    def full(self, shape: Shape, value: float, dtype: str, like: Optional[Tensor] = None) -> Tensor: ...
+    def cast(self, x: Tensor, dtype: str) -> Tensor: ...
+    def reshape(self, x: Tensor, shape: Shape) -> Tensor: ...
+    def concat(self, xs: Sequence[Tensor], axis: int = 0) -> Tensor: ...
+    def stack(self, xs: Sequence[Tensor], axis: int) -> Tensor: ...
+    def sum(self, x: Tensor, axis: int, keepdims: bool = False) -> Tensor: ...
+    def abs(self, x: Tensor) -> Tensor: ...
+    def amax(self, x: Tensor, axis: int) -> Tensor: ...
+    def round(self, x: Tensor) -> Tensor:
+        """Round half to even (the IEEE default; all three frameworks agree)."""
+    def floor(self, x: Tensor) -> Tensor: ...
+    def clip(self, x: Tensor, lo: float, hi: float) -> Tensor: ...
+    def where(self, cond: Tensor, a: Tensor, b: Tensor) -> Tensor: ...
+    def isfinite(self, x: Tensor) -> Tensor: ...
+    def isnan(self, x: Tensor) -> Tensor: ...
+    def all(self, x: Tensor, axis: int) -> Tensor: ...
+    def logical_and(self, a: Tensor, b: Tensor) -> Tensor: ...
+    def bitcast(self, x: Tensor, dtype: str) -> Tensor:
+        """Reinterpret the bytes of ``x`` (C order, little-endian) along its last axis.
+
+        The last axis grows or shrinks by the itemsize ratio: float32 [r, n] -> uint8 [r, 4n].
+        """
+    def uniform(self, shape: Shape, seed: Any, like: Optional[Tensor] = None) -> Tensor:
+        """float32 uniform in [0, 1), a pure function of ``seed`` (an int or a 2-int tensor)."""
+    def new_state(self, value: Tensor) -> Tensor:
+        """A mutable holder initialised to ``value`` (a tensor, or a variable in a graph)."""
+    def assign(self, state: Tensor, value: Tensor) -> Tensor:
+        """Overwrite a holder made by :meth:`new_state`; returns the holder."""
+    def read(self, state: Tensor) -> Tensor: ...
+    def to_numpy(self, x: Tensor) -> Any:
+        """A host numpy array (zero-copy where the framework allows)."""
+    def from_numpy(self, a: Any, like: Optional[Tensor] = None) -> Tensor: ...
+
+
+class MutableTensorOps(TensorOps, Protocol):
+    """In-place extras of eager frameworks (numpy, PyTorch); the pipeline's fusion buffers use them."""
+
+    def empty(self, shape: Shape, dtype: str, like: Optional[Tensor] = None) -> Tensor: ...
+    def copy_into_(self, dst: Tensor, offset: int, src: Tensor) -> None:
+        """``dst[offset:offset + src.numel()] = src.flatten()``, casting to dst's dtype."""
+    def fill_(self, dst: Tensor, offset: int, numel: int, value: float) -> None: ...
+    def view(self, flat: Tensor, offset: int, numel: int, shape: Shape) -> Tensor:
+        """A view of ``flat[offset:offset + numel]`` with ``shape`` (no copy)."""
+    def stream_guard(self) -> ContextManager[Any]:
+        """Runs codec work on a side stream (a CUDA stream on GPU, nothing on CPU)."""
+    def ready_marker(self, like: Tensor) -> Any:
+        """Marks the current stream's position (a CUDA event on GPU, None on CPU)."""
+    def wait_marker(self, marker: Any) -> None:
+        """Makes the current stream wait for ``marker`` (no-op for None)."""
+
+
+def is_float_dtype(dtype: str) -> bool:
+    return dtype in FLOAT_DTYPES

@@ -1,0 +1,20 @@
+"""``import pipesgd_hvd.torch as hvd``: Horovod's PyTorch API with a pipelined DistributedOptimizer.
+
+Everything public in ``horovod.torch`` (init, rank, size, broadcast_parameters, allreduce, ...)
+is handed through unchanged; ``DistributedOptimizer`` and ``Compression`` are pipesgd_hvd's.
+Importing this module does not import TensorFlow.
+"""
+try:
+    # Hand Horovod's functions through (not rewritten): init, rank, size, local_rank,
+    # broadcast_parameters, broadcast_optimizer_state, allreduce, allgather, join, ...
+    from horovod.torch import *  # noqa: F401,F403
+    from horovod.torch import Average, Sum  # noqa: F401
+except ImportError:  # torchrun without Horovod: the optimizer still works over torch.distributed
+    from .comm.base import ReduceOp as _ReduceOp
+
+    Average, Sum = _ReduceOp.AVERAGE, _ReduceOp.SUM
+
+from .compression import Compression  # noqa: E402
+from .frameworks.torch import DistributedOptimizer  # noqa: E402
+
+__all__ = ["Average", "Compression", "DistributedOptimizer", "Sum"]

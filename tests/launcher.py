@@ -1,0 +1,74 @@
+"""Runs a script on several ranks under ``horovodrun`` and fails with every rank's output.
+
+Used by the multi-process tests: ``run_ranks("mp/script.py", "--flag")`` launches
+``horovodrun -np 2 -H localhost:2 python tests/mp/script.py --flag`` in its own process group,
+kills the whole group when ``timeout`` passes, and raises AssertionError (with the output) when
+any rank fails. Returns the combined output so a test can check what the ranks printed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+HOROVODRUN = Path(sys.executable).with_name("horovodrun")
+
+
+def rank_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "PYTHONUNBUFFERED": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        # two ranks share two cores: one compute thread each, or they thrash
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])),
+    })
+    env.update(extra or {})
+    return env
+
+
+def run_ranks(script: str, *args: str, np: int = 2, timeout: float = 180, controller: str = "mpi",
+              env: Optional[Dict[str, str]] = None, expect_failure: bool = False) -> str:
+    """Launch ``script`` (relative to tests/) on ``np`` ranks; ``controller`` is "mpi" or "gloo"."""
+    cmd = [str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
+           sys.executable, str(TESTS / script), *args]
+    return _run(cmd, f"{script} {' '.join(args)}", timeout, env, expect_failure)
+
+
+def run_torchrun(script: str, *args: str, np: int = 2, timeout: float = 180) -> str:
+    """``torchrun --nproc_per_node np`` (torch.distributed without Horovod); fails with the output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(np),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(TESTS / script), *args]
+    return _run(cmd, f"torchrun {script} {' '.join(args)}", timeout, None, False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: List[str], what: str, timeout: float, env: Optional[Dict[str, str]], expect_failure: bool) -> str:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        out, _ = proc.communicate()
+        raise AssertionError(f"{what}: no result within {timeout:.0f} s; output:\n{_tail(out)}")
+    if expect_failure and proc.returncode == 0:
+        raise AssertionError(f"{what} was expected to fail but exited 0; output:\n{_tail(out)}")
+    if not expect_failure and proc.returncode != 0:
+        raise AssertionError(f"{what} failed (exit {proc.returncode}); output:\n{_tail(out)}")
+    return out
+
+
+def _tail(text: str, lines: int = 200) -> str:
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,30 @@
+"""Runs N in-process ranks as threads over pipesgd_hvd's LocalWorld (for engine unit tests)."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, List
+
+from pipesgd_hvd.comm.local import LocalCommunicator, LocalWorld
+
+
+def run_threads(world: LocalWorld, fn: Callable[[int, LocalCommunicator], Any], timeout: float = 60) -> List[Any]:
+    """``fn(rank, comm)`` on every rank; returns the results in rank order, re-raises the first error."""
+    results: List[Any] = [None] * world.size
+    errors: List[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, world.communicator(rank))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise AssertionError(f"ranks still running after {timeout} s (a collective hangs)")
+    return results
