@@ -10,7 +10,7 @@ install:
 	./scripts/install.sh
 
 demo: install
-	$(VENV)/bin/horovodrun -np 2 -H localhost:2 $(PY) examples/torch_digits.py
+	$(VENV)/bin/horovodrun -np 2 -H localhost:2 --mpi $(PY) examples/torch_digits.py
 
 test: install
 	$(PY) -m pytest -q tests

@@ -249,7 +249,12 @@ class PipelineEngine:
         """One small allgather: every rank must have the same tensors and settings, in the same
         order, or the collectives would mismatch and hang. Raises the same error on every rank."""
         # The op name must not depend on anything rank-local (a differing name would itself hang).
-        everyone = self.comm.allgather_object(mine, "pipesgd.check")
+        # Order-matched transports (MPI, torch.distributed) pair collectives by issue order, so
+        # while the comm thread may be mid-reduction the check is queued behind it on that thread.
+        if self._worker is not None:
+            everyone = self._worker.submit(self.comm.allgather_object, mine, "pipesgd.check").result()
+        else:
+            everyone = self.comm.allgather_object(mine, "pipesgd.check")
         for label in mine:
             for rank, theirs_all in enumerate(everyone):
                 theirs = theirs_all.get(label)

@@ -20,7 +20,9 @@ class Mpi4pyCommunicator:
     def __init__(self, ops: MutableTensorOps, comm: Optional[Any] = None,
                  timeout: Optional[float] = None) -> None:
         self._ops = ops
-        self._comm = comm if comm is not None else MPI.COMM_WORLD
+        # A duplicate of the world (collective): MPI matches collectives by issue order within a
+        # communicator, so the pipeline's traffic must not share one with the user's own calls.
+        self._comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
         self._timeout = timeout if timeout is not None else default_timeout()
 
     @property

@@ -10,13 +10,17 @@ from .base import PolledHandle, ReduceOp, postscale_factor, default_timeout
 
 
 class TorchDistributedCommunicator:
-    """Requires ``torch.distributed.init_process_group`` first (torchrun does the rest)."""
+    """Requires ``torch.distributed.init_process_group`` first (torchrun does the rest).
+    Constructing it is collective: every rank must construct it, in the same order."""
 
     def __init__(self, group: Optional[Any] = None, timeout: Optional[float] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "torch.distributed.init_process_group() first (or use Horovod)")
-        self._group = group
+        # Our own group (created collectively, like the optimizer itself): Gloo pairs collectives
+        # by issue order, and a user's metric all_reduce on the default group, issued while a
+        # pipelined reduction is in flight on our comm thread, must not interleave with it.
+        self._group = group if group is not None else dist.new_group()
         self._timeout = timeout if timeout is not None else default_timeout()
 
     @property
