@@ -1,0 +1,139 @@
+"""TensorOps for TensorFlow: the same codecs and compressed all-reduce, eager or inside tf.function.
+
+Everything here is functional (TensorFlow tensors are immutable); the only state is what
+:meth:`new_state` creates, a ``tf.Variable``, so codec state such as error-feedback residuals
+lives in the graph and is saved by ``tf.train.Checkpoint`` like any other variable.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from ..tensor_ops import Shape
+
+_DTYPES = {"float16": tf.float16, "bfloat16": tf.bfloat16, "float32": tf.float32, "float64": tf.float64,
+           "uint8": tf.uint8, "int8": tf.int8, "int32": tf.int32, "int64": tf.int64, "bool": tf.bool}
+
+
+def tf_dtype(dtype: str) -> tf.DType:
+    return _DTYPES[dtype]
+
+
+class TensorFlowOps:
+    name = "tensorflow"
+
+    def __init__(self) -> None:
+        # Stochastic rounding needs fresh randomness every step. Inside a traced step the
+        # Python-level seed is a constant of the trace, so the pipeline sets ``step`` to its
+        # step-counter variable and the seed becomes (constant, step): different every step,
+        # identical on every rank (ranks must round the shared chunks alike).
+        self.step: Optional[tf.Variable] = None
+
+    def dtype_name(self, x: Any) -> str:
+        return tf.as_dtype(x.dtype).name
+
+    def shape(self, x: Any) -> Shape:
+        return tuple(int(d) for d in x.shape)
+
+    def numel(self, x: Any) -> int:
+        return int(np.prod(self.shape(x), dtype=np.int64))
+
+    def zeros(self, shape: Shape, dtype: str, like: Optional[Any] = None) -> tf.Tensor:
+        return tf.zeros(shape, tf_dtype(dtype))
+
+    def full(self, shape: Shape, value: float, dtype: str, like: Optional[Any] = None) -> tf.Tensor:
+        return tf.fill(shape, tf.constant(value, tf_dtype(dtype)))
+
+    def cast(self, x: Any, dtype: str) -> tf.Tensor:
+        return tf.cast(x, tf_dtype(dtype))
+
+    def reshape(self, x: Any, shape: Shape) -> tf.Tensor:
+        return tf.reshape(x, shape)
+
+    def concat(self, xs: Sequence[Any], axis: int = 0) -> tf.Tensor:
+        return tf.concat(list(xs), axis=axis)
+
+    def stack(self, xs: Sequence[Any], axis: int) -> tf.Tensor:
+        return tf.stack(list(xs), axis=axis)
+
+    def sum(self, x: Any, axis: int, keepdims: bool = False) -> tf.Tensor:
+        return tf.reduce_sum(x, axis=axis, keepdims=keepdims)
+
+    def abs(self, x: Any) -> tf.Tensor:
+        return tf.abs(x)
+
+    def amax(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.reduce_max(x, axis=axis)
+
+    def round(self, x: Any) -> tf.Tensor:
+        return tf.round(x)  # banker's rounding, like numpy and torch
+
+    def floor(self, x: Any) -> tf.Tensor:
+        return tf.floor(x)
+
+    def clip(self, x: Any, lo: float, hi: float) -> tf.Tensor:
+        return tf.clip_by_value(x, tf.cast(lo, x.dtype), tf.cast(hi, x.dtype))
+
+    def where(self, cond: Any, a: Any, b: Any) -> tf.Tensor:
+        ref = a if tf.is_tensor(a) else b
+        a = a if tf.is_tensor(a) else tf.cast(a, ref.dtype)
+        b = b if tf.is_tensor(b) else tf.cast(b, ref.dtype)
+        return tf.where(cond, a, b)
+
+    def isfinite(self, x: Any) -> tf.Tensor:
+        return tf.math.is_finite(x)
+
+    def isnan(self, x: Any) -> tf.Tensor:
+        return tf.math.is_nan(x)
+
+    def all(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.reduce_all(x, axis=axis)
+
+    def logical_and(self, a: Any, b: Any) -> tf.Tensor:
+        return tf.logical_and(a, b)
+
+    def bitcast(self, x: Any, dtype: str) -> tf.Tensor:
+        # tf.bitcast adds (wider -> narrower) or consumes (narrower -> wider) a trailing axis;
+        # fold it into the last axis so the result matches numpy's ``view`` along that axis.
+        target = tf_dtype(dtype)
+        src_size, dst_size = tf.as_dtype(x.dtype).size, target.size
+        shape = self.shape(x)
+        if src_size == dst_size:
+            return tf.bitcast(x, target)
+        if src_size > dst_size:
+            out = tf.bitcast(x, target)
+            return tf.reshape(out, shape[:-1] + (shape[-1] * (src_size // dst_size),))
+        ratio = dst_size // src_size
+        return tf.bitcast(tf.reshape(x, shape[:-1] + (shape[-1] // ratio, ratio)), target)
+
+    def uniform(self, shape: Shape, seed: Any, like: Optional[Any] = None) -> tf.Tensor:
+        words = int(seed) & 0x7FFFFFFFFFFFFFFF if isinstance(seed, (int, np.integer)) else seed
+        low = tf.constant(words & 0x7FFFFFFF, tf.int64) if isinstance(words, int) else tf.cast(words, tf.int64)
+        high = (tf.cast(self.step.read_value(), tf.int64) if self.step is not None
+                else tf.constant((words >> 31) & 0x7FFFFFFF if isinstance(words, int) else 0, tf.int64))
+        return tf.random.stateless_uniform(shape, seed=tf.stack([low, high]), dtype=tf.float32)
+
+    def new_state(self, value: Any) -> tf.Variable:
+        # Created outside any trace (init_scope) with a static shape, then assigned in place, so
+        # this works eagerly and on the first trace of a tf.function alike.
+        value = tf.convert_to_tensor(value)
+        with tf.init_scope():
+            state = tf.Variable(tf.zeros(value.shape, value.dtype), trainable=False,
+                                name="pipesgd_state")
+        state.assign(value)
+        return state
+
+    def assign(self, state: Any, value: Any) -> Any:
+        state.assign(value)
+        return state
+
+    def read(self, state: Any) -> tf.Tensor:
+        return state.read_value() if isinstance(state, tf.Variable) else tf.convert_to_tensor(state)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return x.numpy()
+
+    def from_numpy(self, a: np.ndarray, like: Optional[Any] = None) -> tf.Tensor:
+        return tf.convert_to_tensor(a)

@@ -1,0 +1,42 @@
+"""Checks of the optimizer arguments that every framework adapter shares (Horovod's names)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .comm.base import ReduceOp
+
+
+def resolve_reduce_op(op: Any, hvd: Optional[Any] = None) -> ReduceOp:
+    """``op`` as Horovod users pass it (``hvd.Average``, ``hvd.Sum``, a string, or None)."""
+    if isinstance(op, ReduceOp):
+        return op
+    if op is None or (isinstance(op, str) and op.lower() == "average"):
+        return ReduceOp.AVERAGE
+    if isinstance(op, str) and op.lower() == "sum":
+        return ReduceOp.SUM
+    if hvd is not None and isinstance(op, int) and not isinstance(op, bool):
+        if op == hvd.Average:
+            return ReduceOp.AVERAGE
+        if op == hvd.Sum:
+            return ReduceOp.SUM
+        if op == hvd.Adasum:
+            raise ValueError("op=Adasum is not supported by pipesgd_hvd (it is not a sum of gradients, so it "
+                             "cannot be pipelined or compressed): use op=Average")
+    raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+
+
+def check_backward_passes(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {value!r}")
+    return value
+
+
+def fusion_threshold_bytes(megabytes: Any) -> int:
+    if isinstance(megabytes, bool) or not isinstance(megabytes, (int, float)) or not megabytes >= 0:
+        raise ValueError(f"fusion_threshold_mb must be a number >= 0, got {megabytes!r}")
+    return int(megabytes * 2**20)
+
+
+def check_global_process_set(process_set: Any, hvd: Optional[Any]) -> None:
+    if process_set is not None and hvd is not None and process_set is not hvd.global_process_set:
+        raise ValueError("pipesgd_hvd supports only Horovod's global process set; omit process_set")

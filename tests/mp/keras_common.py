@@ -1,0 +1,67 @@
+"""Helpers for the Keras rank scripts (run under horovodrun): data, a small model, the reference rule."""
+from __future__ import annotations
+
+import hashlib
+from typing import List, Sequence
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+FEATURES, CLASSES, BATCH = 12, 3, 16
+
+
+def rank_data(rank: int, steps: int) -> tuple:
+    """``steps`` batches for ``rank`` (a different slice on every rank, the same on every run)."""
+    rng = np.random.default_rng(100 + rank)
+    x = rng.standard_normal((steps * BATCH, FEATURES)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int32") + (x[:, 2] > 1).astype("int32")
+    return x, y
+
+
+def make_model() -> keras.Model:
+    keras.utils.set_random_seed(7)  # the same initial weights on every rank
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(32, activation="tanh"),
+                             keras.layers.Dense(CLASSES)])
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def reference_weights(make_optimizer, steps: int, size: int, width: int, warmup: int = 0) -> List[np.ndarray]:
+    """The update rule computed in one process: step t applies mean over ranks of the gradient of
+    step t-width+1 (t-0 while t < warmup), nothing while the pipeline fills."""
+    model, opt = make_model(), make_optimizer()
+    data = [rank_data(r, steps) for r in range(size)]
+    pending: List[List[tf.Tensor]] = []
+    for t in range(steps):
+        per_rank = []
+        for x, y in data:
+            with tf.GradientTape() as tape:
+                loss = LOSS(y[t * BATCH:(t + 1) * BATCH], model(x[t * BATCH:(t + 1) * BATCH]))
+            per_rank.append(tape.gradient(loss, model.trainable_variables))
+        mean = [tf.add_n(list(gs)) * (1.0 / size) for gs in zip(*per_rank)]
+        if t < warmup:
+            opt.apply(mean, model.trainable_variables)
+            continue
+        pending.append(mean)
+        if len(pending) == width:
+            opt.apply(pending.pop(0), model.trainable_variables)
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def digest(arrays: Sequence[np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def assert_replicas_identical(model: keras.Model, what: str) -> None:
+    digests = hvd.allgather_object(digest([v.numpy() for v in model.variables]), name=f"digest.{what}")
+    assert len(set(digests)) == 1, f"{what}: replicas differ across ranks: {digests}"
+
+
+def passed(name: str) -> None:
+    print(f"PASS rank{hvd.rank()} {name}", flush=True)
