@@ -39,6 +39,10 @@ from ..fusion import Bucket, TensorSpec, plan_buckets
 from .tf_ops import TensorFlowOps, tf_dtype
 
 
+# Name scopes of the two reductions in a traced step (tests check the stale one's inputs).
+STALE_SCOPE, SYNC_SCOPE = "pipesgd_stale_reduction", "pipesgd_sync_reduction"
+
+
 def reduce_bucket(ops: TensorFlowOps, comm: Communicator, codec: Codec, config: PipelineConfig,
                   flat: tf.Tensor, *, name: str, key: str, seed: int) -> Tuple[tf.Tensor, int]:
     """One bucket's average across ranks (blocking: a graph op). Returns it and the bytes sent."""
@@ -95,11 +99,13 @@ class GraphPipeline(tf.Module):
             slot = tf.math.floormod(step - start, width - 1)
             has_stale = step >= start + width - 1
             # No input computed by this step: free to run beside the forward/backward pass.
-            stale = tf.cond(has_stale, lambda: self._reduce_all([tf.gather(v, slot) for v in self.slots], "stale"),
-                            lambda: zeros)
+            with tf.name_scope(STALE_SCOPE):
+                stale = tf.cond(has_stale, lambda: self._reduce_all([tf.gather(v, slot) for v in self.slots],
+                                                                    "stale"), lambda: zeros)
             in_warmup = step < warmup
             if warmup > 0:
-                current = tf.cond(in_warmup, lambda: self._reduce_all(flats, "sync"), lambda: zeros)
+                with tf.name_scope(SYNC_SCOPE):
+                    current = tf.cond(in_warmup, lambda: self._reduce_all(flats, "sync"), lambda: zeros)
                 reduced = [tf.where(in_warmup, c, s) for c, s in zip(current, stale)]
             else:
                 reduced = stale

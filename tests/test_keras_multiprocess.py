@@ -1,0 +1,23 @@
+"""Keras 3 / TensorFlow under horovodrun -np 2: model.fit, custom loops, the graph's overlap, callbacks."""
+from launcher import run_ranks
+
+
+def _assert_passed(out: str, checks) -> None:
+    for rank in (0, 1):
+        for check in checks:
+            assert f"PASS rank{rank} {check}" in out, f"missing: rank {rank} {check}"
+
+
+def test_model_fit_follows_the_pipelined_rule_with_every_codec_and_saves_a_plain_keras_model():
+    out = run_ranks("mp/keras_pipeline.py", timeout=300)
+    _assert_passed(out, [f"keras-rule-{c}" for c in ("sgd-width1-warmup0", "sgd-width2-warmup0", "adam-width2-warmup0",
+                                                     "sgd-width2-warmup3", "sgd-width3-warmup0")]
+                   + [f"keras-codec-{c}" for c in ("fp16", "bf16", "truncate16", "int8", "int4")]
+                   + ["keras-save-load-without-pipesgd"])
+
+
+def test_custom_loop_eager_and_traced_and_the_stale_reduction_waits_for_nothing_of_the_step():
+    out = run_ranks("mp/tf_custom_loop.py", timeout=300)
+    _assert_passed(out, [f"tf-loop-{m}-width2-warmup{w}" for m in ("eager", "tf.function") for w in (0, 2)]
+                   + ["tf-loop-int8-eager", "tf-loop-int8-tf.function",
+                      "tf-graph-stale-reduction-independent-of-the-step"])
