@@ -21,3 +21,9 @@ def test_custom_loop_eager_and_traced_and_the_stale_reduction_waits_for_nothing_
     _assert_passed(out, [f"tf-loop-{m}-width2-warmup{w}" for m in ("eager", "tf.function") for w in (0, 2)]
                    + ["tf-loop-int8-eager", "tf-loop-int8-tf.function",
                       "tf-graph-stale-reduction-independent-of-the-step"])
+
+
+def test_horovods_keras_callbacks_work_on_keras_3():
+    out = run_ranks("mp/keras_callbacks.py", timeout=300)
+    _assert_passed(out, ["keras-broadcast-callback", "keras-metric-average-callback", "keras-lr-warmup-callback",
+                         "keras-flush-callback", "keras-load-model", "keras-best-model-checkpoint"])

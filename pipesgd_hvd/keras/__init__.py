@@ -1,0 +1,23 @@
+"""``import pipesgd_hvd.keras as hvd``: Horovod's Keras API, working on Keras 3, pipelined.
+
+Horovod's functions are handed through unchanged (init, rank, size, local_rank, allreduce,
+allgather, broadcast, ...). Ours, because Horovod's do not work with Keras 3:
+``DistributedOptimizer`` (pipelined; ``width=1`` is synchronous), ``callbacks`` (broadcast,
+metric average, learning-rate warm-up and schedule, best-model checkpoint), and
+``broadcast_global_variables`` / ``load_model``. ``Compression`` is ours and also accepts
+Horovod's compressors.
+"""
+from horovod.tensorflow.keras import (  # noqa: F401
+    Average, ProcessSet, Sum, add_process_set, allgather, allreduce, broadcast, ccl_built, cross_rank, cross_size,
+    cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_initialized, local_rank,
+    local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set,
+    rocm_built, shutdown, size, start_timeline, stop_timeline)
+from horovod.tensorflow import allgather_object, broadcast_object  # noqa: F401 (handy for scripts)
+
+from ..compression import Compression
+from ..frameworks.keras_callbacks import broadcast_global_variables, broadcast_variables
+from ..frameworks.tensorflow import DistributedOptimizer, load_model
+from . import callbacks
+
+__all__ = ["Average", "Compression", "DistributedOptimizer", "Sum", "broadcast_global_variables",
+           "broadcast_variables", "callbacks", "load_model"]
