@@ -27,3 +27,11 @@ def test_horovods_keras_callbacks_work_on_keras_3():
     out = run_ranks("mp/keras_callbacks.py", timeout=300)
     _assert_passed(out, ["keras-broadcast-callback", "keras-metric-average-callback", "keras-lr-warmup-callback",
                          "keras-flush-callback", "keras-load-model", "keras-best-model-checkpoint"])
+
+
+def test_keras_checkpoint_mid_pipeline_restores_bitwise_in_fresh_processes(tmp_path):
+    args = [str(tmp_path), "30", "17"]
+    run_ranks("mp/keras_checkpoint.py", *args, "full", timeout=300)
+    run_ranks("mp/keras_checkpoint.py", *args, "part1", timeout=300)
+    out = run_ranks("mp/keras_checkpoint.py", *args, "part2", timeout=300)
+    assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out

@@ -200,3 +200,26 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     object.__setattr__(wrapped, "_pipesgd_settings", settings)
     wrapped._pipesgd = None
     return wrapped
+
+
+def load_model(filepath: str, custom_optimizers: Optional[Sequence[type]] = None,
+               custom_objects: Optional[Dict[str, Any]] = None, compression: Any = Compression.none,
+               **pipeline: Any) -> Any:
+    """Horovod's ``load_model``: loads a Keras model and wraps its optimizer in
+    :func:`DistributedOptimizer` (``compression`` and ``pipeline`` keywords such as ``width``
+    passed on), keeping the optimizer's state (iterations, moments). Call it on every rank."""
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or []:
+        objects[cls.__name__] = cls
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    loaded = getattr(model, "optimizer", None)
+    if loaded is None:
+        return model
+    wrapped = DistributedOptimizer(type(loaded).from_config(loaded.get_config()), compression=compression, **pipeline)
+    if loaded.built:
+        wrapped.build(model.trainable_variables)
+        for mine, theirs in zip(wrapped.variables, loaded.variables):
+            mine.assign(theirs)
+    model.optimizer = wrapped
+    model.train_function = None  # retrace with the wrapped optimizer
+    return model
