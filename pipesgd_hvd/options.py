@@ -40,3 +40,12 @@ def fusion_threshold_bytes(megabytes: Any) -> int:
 def check_global_process_set(process_set: Any, hvd: Optional[Any]) -> None:
     if process_set is not None and hvd is not None and process_set is not hvd.global_process_set:
         raise ValueError("pipesgd_hvd supports only Horovod's global process set; omit process_set")
+
+
+def check_staleness_correction(value: Any) -> bool:
+    """``staleness_correction``: False (default) or True / "weight_prediction"."""
+    if value in (False, None):
+        return False
+    if value is True or value == "weight_prediction":
+        return True
+    raise ValueError(f"staleness_correction must be False, True or 'weight_prediction', got {value!r}")

@@ -12,6 +12,7 @@ def test_model_fit_follows_the_pipelined_rule_with_every_codec_and_saves_a_plain
     out = run_ranks("mp/keras_pipeline.py", timeout=300)
     _assert_passed(out, [f"keras-rule-{c}" for c in ("sgd-width1-warmup0", "sgd-width2-warmup0", "adam-width2-warmup0",
                                                      "sgd-width2-warmup3", "sgd-width3-warmup0")]
+                   + ["keras-rule-weight-prediction"]
                    + [f"keras-codec-{c}" for c in ("fp16", "bf16", "truncate16", "int8", "int4")]
                    + ["keras-save-load-without-pipesgd"])
 

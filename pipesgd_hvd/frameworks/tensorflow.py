@@ -19,7 +19,9 @@ import tensorflow as tf
 from ..compression import Compression, resolve_compression
 from ..engine import PipelineConfig, WireStats
 from ..fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec
-from ..options import check_backward_passes, check_global_process_set, fusion_threshold_bytes, resolve_reduce_op
+from ..options import (check_backward_passes, check_global_process_set, check_staleness_correction,
+                       fusion_threshold_bytes, resolve_reduce_op)
+from ..staleness import WeightPrediction
 from .tf_pipeline import GraphPipeline, pipeline_name
 
 try:
@@ -57,7 +59,13 @@ class _PipelinedOptimizer:
 
             comm = HorovodTensorFlowCommunicator()
         self._pipesgd_variables = [variable_name(v) for v in variables]
-        self._pipesgd = GraphPipeline(specs, comm=comm, codec=resolve_compression(s["compression"]), config=config)
+        pipeline = GraphPipeline(specs, comm=comm, codec=resolve_compression(s["compression"]), config=config)
+        prediction = None
+        if s["staleness_correction"]:
+            prediction = WeightPrediction(pipeline.ops, variables)
+            pipeline.prediction_state = prediction.state()  # checkpointed with the pipeline
+        object.__setattr__(self, "_pipesgd_prediction", prediction)
+        self._pipesgd = pipeline
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
         grads = list(grads)
@@ -83,6 +91,9 @@ class _PipelinedOptimizer:
         grads = [_dense(g, v) for g, v in zip(grads, trainable_variables)]
         reduced, should_apply = pipeline.exchange(grads)
         inner_apply = super().apply  # type: ignore[misc]
+        prediction = self._pipesgd_prediction
+        if prediction is not None:  # the gradients were computed at predicted weights
+            prediction.restore(trainable_variables)
 
         def apply_now() -> tf.Tensor:
             inner_apply(reduced, trainable_variables)
@@ -95,6 +106,8 @@ class _PipelinedOptimizer:
             # While the pipeline fills there is no averaged gradient yet: the wrapped optimizer
             # does not run at all (its iteration counter, moments and weight decay stay put).
             tf.cond(should_apply, apply_now, lambda: tf.constant(False))
+        if prediction is not None:
+            prediction.predict(trainable_variables)
 
     def flush(self) -> int:
         """Applies the averaged gradients still in flight (call on every rank, eagerly, e.g. after
@@ -103,6 +116,8 @@ class _PipelinedOptimizer:
             return 0
         pending = self._pipesgd.flush()
         variables = list(self._trainable_variables)
+        if self._pipesgd_prediction is not None:
+            self._pipesgd_prediction.reset(variables)  # the real weights, for evaluation or saving
         for grads in pending:
             super().apply(grads, variables)  # type: ignore[misc]
         return len(pending)
@@ -153,7 +168,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          num_groups: int = 0, groups: Any = None, process_set: Any = None,
                          scale_local_gradients: bool = True, *, width: int = 2, warmup_steps: int = 0,
                          fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20, seed: int = 0,
-                         communicator: Any = None) -> Any:
+                         communicator: Any = None, staleness_correction: bool = False) -> Any:
     """Wraps a Keras 3 optimizer so that gradients are averaged across ranks, pipelined.
 
     Horovod's arguments keep their meaning: ``compression`` (ours such as
@@ -167,7 +182,10 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
 
     Ours, keyword-only: ``width`` (2 = Pipe-SGD, staleness 1; 1 = synchronous, Horovod's rule),
     ``warmup_steps`` (run synchronously first), ``fusion_threshold_mb``, ``seed`` (stochastic
-    rounding), ``communicator`` (default Horovod's TensorFlow ops).
+    rounding), ``communicator`` (default Horovod's TensorFlow ops), ``staleness_correction``
+    (weight prediction, see ``pipesgd_hvd.staleness``: gradients are computed at the weights
+    extrapolated with the last update; between steps the variables hold that prediction, and
+    ``flush()`` / ``PipelineFlushCallback`` put the real weights back).
 
     The first step after warm-up applies nothing (no averaged gradient exists yet); call
     ``optimizer.flush()`` after training to apply the last in-flight gradient. Use
@@ -188,6 +206,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
         "width": width, "warmup_steps": warmup_steps, "fusion_threshold_bytes": fusion_threshold_bytes(fusion_threshold_mb),
         "op": resolve_reduce_op(op, _hvd), "gradient_predivide_factor": gradient_predivide_factor,
         "seed": seed, "communicator": communicator, "compression": resolve_compression(compression),
+        "staleness_correction": check_staleness_correction(staleness_correction),
     }
     PipelineConfig(**{k: settings[k] for k in ("width", "warmup_steps", "fusion_threshold_bytes", "op",
                                                 "gradient_predivide_factor")})  # checks them now
@@ -199,6 +218,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     # Plain attributes: Keras's tracker would wrap the dict (and the codec inside) as state.
     object.__setattr__(wrapped, "_pipesgd_settings", settings)
     wrapped._pipesgd = None
+    object.__setattr__(wrapped, "_pipesgd_prediction", None)
     return wrapped
 
 

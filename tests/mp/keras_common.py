@@ -29,25 +29,41 @@ def make_model() -> keras.Model:
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def reference_weights(make_optimizer, steps: int, size: int, width: int, warmup: int = 0) -> List[np.ndarray]:
+def reference_weights(make_optimizer, steps: int, size: int, width: int, warmup: int = 0,
+                      predict: bool = False) -> List[np.ndarray]:
     """The update rule computed in one process: step t applies mean over ranks of the gradient of
-    step t-width+1 (t-0 while t < warmup), nothing while the pipeline fills."""
+    step t-width+1 (t-0 while t < warmup), nothing while the pipeline fills. ``predict``: each
+    gradient is computed at w_t + (w_t - w_{t-1}) (weight prediction; w_{-1} = w_0)."""
     model, opt = make_model(), make_optimizer()
     data = [rank_data(r, steps) for r in range(size)]
     pending: List[List[tf.Tensor]] = []
+    real = [v.numpy() for v in model.trainable_variables]
+    previous = None
     for t in range(steps):
+        if predict:
+            at = real if previous is None else [2.0 * r - p for r, p in zip(real, previous)]
+            for v, value in zip(model.trainable_variables, at):
+                v.assign(value)
         per_rank = []
         for x, y in data:
             with tf.GradientTape() as tape:
                 loss = LOSS(y[t * BATCH:(t + 1) * BATCH], model(x[t * BATCH:(t + 1) * BATCH]))
             per_rank.append(tape.gradient(loss, model.trainable_variables))
         mean = [tf.add_n(list(gs)) * (1.0 / size) for gs in zip(*per_rank)]
+        if predict:
+            for v, value in zip(model.trainable_variables, real):
+                v.assign(value)
         if t < warmup:
             opt.apply(mean, model.trainable_variables)
-            continue
-        pending.append(mean)
-        if len(pending) == width:
-            opt.apply(pending.pop(0), model.trainable_variables)
+        else:
+            pending.append(mean)
+            if len(pending) == width:
+                opt.apply(pending.pop(0), model.trainable_variables)
+        updated = [v.numpy() for v in model.trainable_variables]
+        previous = updated if previous is None else real
+        real = updated
+    if predict:  # between steps the model holds the prediction; compare real weights
+        return real
     return [v.numpy() for v in model.trainable_variables]
 
 

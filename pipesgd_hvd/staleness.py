@@ -1,0 +1,61 @@
+"""Staleness correction by weight prediction, written once for every framework.
+
+With width 2 the gradient computed at step t, at weights w_t, is applied one step later, to
+w_{t+1}. Weight prediction (SpecTrain, SAPipe) computes it at a guess of w_{t+1} instead. The
+update that will turn w_t into w_{t+1} is still being reduced when step t starts, so we guess it
+with the last update applied: predicted = w_t + (w_t - w_{t-1}). For SGD with momentum this is
+close to the next step's update (momentum makes consecutive updates alike); for Adam likewise.
+
+The adapter calls, at every optimizer step, after the backward pass that used the predicted
+weights: :meth:`restore` (the real weights come back), the wrapped optimizer's update (or none
+while the pipeline fills), then :meth:`predict` (remember the real weights, write the prediction).
+Costs two copies of the weights in memory and three element-wise passes over them per step.
+Between steps the parameters hold the prediction: evaluate or save inside :meth:`real_weights`
+(PyTorch ``opt.real_weights()``), or after ``flush()``, which restores them.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+from .tensor_ops import Tensor, TensorOps
+
+
+class WeightPrediction:
+    """State: the real weights w_t, the previous ones w_{t-1}, and a "started" flag, all tensors
+    (variables in a TensorFlow graph), so the same code runs eagerly and traced. Until the first
+    update the flag is off and every call leaves the parameters alone: weights broadcast from
+    rank 0 after construction are taken as they are."""
+
+    def __init__(self, ops: TensorOps, params: Sequence[Any]) -> None:
+        self.ops = ops
+        self.started = ops.new_state(ops.zeros((), "float32"))
+        self.current: List[Tensor] = [ops.new_state(ops.read(p)) for p in params]
+        self.previous: List[Tensor] = [ops.new_state(ops.read(p)) for p in params]
+
+    def _started(self) -> Tensor:
+        return self.ops.read(self.started) > 0.5
+
+    def restore(self, params: Sequence[Any]) -> None:
+        """Puts the real weights back into ``params`` (before the optimizer's update)."""
+        ops, started = self.ops, self._started()
+        for p, real in zip(params, self.current):
+            ops.assign(p, ops.where(started, ops.read(real), ops.read(p)))
+
+    def predict(self, params: Sequence[Any]) -> None:
+        """``params`` hold the real weights w_{t+1}: keep them, write w_{t+1} + (w_{t+1} - w_t).
+        On the first call w_t is taken as w_{t+1} (no update to extrapolate with yet)."""
+        ops, started = self.ops, self._started()
+        for prev, cur, p in zip(self.previous, self.current, params):
+            ops.assign(prev, ops.where(started, ops.read(cur), ops.read(p)))
+            ops.assign(cur, ops.read(p))
+            ops.assign(p, ops.read(cur) * 2.0 - ops.read(prev))
+        ops.assign(self.started, ops.full((), 1.0, "float32"))
+
+    def reset(self, params: Sequence[Any]) -> None:
+        """Restores the real weights and starts afresh (after a flush)."""
+        self.restore(params)
+        self.ops.assign(self.started, self.ops.zeros((), "float32"))
+
+    def state(self) -> List[Tensor]:
+        return [self.started, *self.current, *self.previous]
+
