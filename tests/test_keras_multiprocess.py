@@ -36,3 +36,22 @@ def test_keras_checkpoint_mid_pipeline_restores_bitwise_in_fresh_processes(tmp_p
     run_ranks("mp/keras_checkpoint.py", *args, "part1", timeout=300)
     out = run_ranks("mp/keras_checkpoint.py", *args, "part2", timeout=300)
     assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out
+
+
+def test_keras_bad_arguments_get_errors_that_name_the_problem():
+    _assert_passed(run_ranks("mp/keras_reliability.py", "arguments"), ["keras-bad-arguments"])
+
+
+def test_keras_models_that_differ_across_ranks_raise_on_every_rank():
+    import re
+
+    out = run_ranks("mp/keras_reliability.py", "mismatch", expect_failure=True, timeout=120)
+    for rank in (0, 1):
+        found = re.search(rf"RAISED rank{rank}: (.*?differ across ranks.*)", out)
+        assert found is not None, out[-3000:]
+        assert "(12, 33)" in found.group(1) or "(12, 32)" in found.group(1), found.group(1)
+
+
+def test_keras_nonfinite_gradients_leave_replicas_equal():
+    _assert_passed(run_ranks("mp/keras_reliability.py", "nonfinite"),
+                   ["keras-nonfinite-int8", "keras-nonfinite-bf16", "keras-nonfinite-none"])

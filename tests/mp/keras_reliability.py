@@ -1,0 +1,93 @@
+"""Keras: bad arguments, models that differ across ranks, non-finite gradients.
+
+Each bad input gets a clear error on every rank (printed as RAISED rankN: ...), never a hang.
+Usage: keras_reliability.py arguments|mismatch|nonfinite
+"""
+import sys
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+import pipesgd_hvd.keras as psgd
+from keras_common import BATCH, LOSS, assert_replicas_identical, make_model, passed, rank_data
+
+hvd.init()
+rank = hvd.rank()
+case = sys.argv[1]
+
+
+def expect(error, needle, build):
+    try:
+        build()
+    except error as e:
+        assert needle in str(e), f"{needle!r} not in {e}"
+        return str(e)
+    raise AssertionError(f"no {error.__name__} for {needle!r}")
+
+
+if case == "arguments":
+    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    cases = [
+        (ValueError, "width must be an int >= 1", lambda: psgd.DistributedOptimizer(sgd(), width=0)),
+        (ValueError, "width must be an int >= 1", lambda: psgd.DistributedOptimizer(sgd(), width="2")),
+        (ValueError, "warmup_steps must be an int >= 0", lambda: psgd.DistributedOptimizer(sgd(), warmup_steps=-1)),
+        (ValueError, "unknown compression 'zip'", lambda: psgd.DistributedOptimizer(sgd(), compression="zip")),
+        (ValueError, "op=Adasum is not supported", lambda: psgd.DistributedOptimizer(sgd(), op=hvd.Adasum)),
+        (ValueError, "gradient_accumulation_steps", lambda: psgd.DistributedOptimizer(sgd(), backward_passes_per_step=2)),
+        (ValueError, "backward_passes_per_step must be an int >= 1",
+         lambda: psgd.DistributedOptimizer(sgd(), backward_passes_per_step=0)),
+        (ValueError, "fusion_threshold_mb must be a number >= 0",
+         lambda: psgd.DistributedOptimizer(sgd(), fusion_threshold_mb=-1)),
+        (ValueError, "gradient_predivide_factor must be",
+         lambda: psgd.DistributedOptimizer(sgd(), gradient_predivide_factor=0)),
+        (ValueError, "staleness_correction must be", lambda: psgd.DistributedOptimizer(sgd(), staleness_correction="x")),
+        (ValueError, "global process set", lambda: psgd.DistributedOptimizer(sgd(), process_set=object())),
+        (TypeError, "must be a Keras 3 optimizer", lambda: psgd.DistributedOptimizer(tf.Variable(1.0))),
+        (TypeError, "already a pipesgd_hvd DistributedOptimizer",
+         lambda: psgd.DistributedOptimizer(psgd.DistributedOptimizer(sgd()))),
+    ]
+    for error, needle, build in cases:
+        expect(error, needle, build)
+    built = sgd()
+    built.build(make_model().trainable_variables)
+    expect(ValueError, "wrap the optimizer before it is used", lambda: psgd.DistributedOptimizer(built))
+    # An integer "gradient" (a variable that is trainable but not a float) gets a named error.
+    opt = psgd.DistributedOptimizer(sgd())
+    counter = tf.Variable(0, dtype=tf.int32, name="counter")
+    expect(TypeError, "counter", lambda: opt.apply_gradients([(tf.constant(1, tf.int32), counter)]))
+    passed("keras-bad-arguments")
+
+elif case == "mismatch":
+    model = make_model() if rank == 0 else keras.Sequential(
+        [keras.Input((12,)), keras.layers.Dense(33, activation="tanh"), keras.layers.Dense(3)])
+    opt = psgd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=opt, loss=LOSS)
+    x, y = rank_data(rank, 2)
+    try:
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    except ValueError as e:
+        print(f"RAISED rank{rank}: {e}", flush=True)
+        sys.exit(1)
+
+elif case == "nonfinite":
+    # Rank 1's gradient turns non-finite at step 3: the policy (int8: the whole 512-value block
+    # becomes NaN; casts: element-wise) is applied to the bytes both ranks decode, so both ranks
+    # apply the same result and replicas stay bitwise equal.
+    for name in ("int8", "bf16", "none"):
+        model = make_model()
+        opt = psgd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=name)
+        x, y = rank_data(rank, 5)
+        for t in range(5):
+            with tf.GradientTape() as tape:
+                loss = LOSS(y[t * BATCH:(t + 1) * BATCH], model(x[t * BATCH:(t + 1) * BATCH]))
+            grads = tape.gradient(loss, model.trainable_variables)
+            if t == 3 and rank == 1:
+                grads[0] = tf.tensor_scatter_nd_update(grads[0], [[0, 0]], [np.inf])
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        opt.flush()
+        assert_replicas_identical(model, f"nonfinite-{name}")
+        kernel = model.trainable_variables[0].numpy()
+        assert not np.isfinite(kernel).all(), "the non-finite value reached the weights (it is not hidden)"
+        passed(f"keras-nonfinite-{name}")
