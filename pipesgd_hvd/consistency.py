@@ -26,8 +26,10 @@ def describe(mine: Dict[str, Sequence[Tuple[Any, ...]]], everyone: List[Dict[str
                         f"{label} differ across ranks at entry {pos}: rank 0 has {a}, rank {rank} has {b}. "
                         "Every rank must build the same model (parameter names, shapes, dtypes, order) and "
                         "pass the same optimizer settings")
+            longer, owner = (ref, 0) if len(ref) > len(theirs) else (theirs, rank)
             raise ValueError(f"{label} differ across ranks: rank 0 has {len(ref)} entries, rank {rank} has "
-                             f"{len(theirs)}. Every rank must build the same model and optimizer")
+                             f"{len(theirs)}; the first extra one is rank {owner}'s {longer[min(len(ref), len(theirs))]}. "
+                             "Every rank must build the same model and optimizer")
 
 
 def check_ranks_agree(comm: Communicator, mine: Dict[str, Sequence[Tuple[Any, ...]]]) -> None:

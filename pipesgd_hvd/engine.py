@@ -15,24 +15,44 @@ K = 1 is synchronous data-parallel SGD. The first ``warmup_steps`` steps run wit
 first K-1 pipelined steps apply nothing (no stale gradient exists yet). :meth:`flush` waits for
 and returns everything in flight; :meth:`state_dict` waits for it too and saves the reduced
 gradients, codec state (error-feedback residuals) and step count, so a restart resumes exactly.
+
+Failures are final: once a reduction fails (a lost peer, a timeout) or a check finds the ranks
+disagreeing, the in-flight steps can no longer be completed consistently, so every later call
+raises at once (:attr:`failure` holds the first error) instead of waiting on collectives that
+cannot complete. The cure is a restart from the last checkpoint on every rank.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
+import numbers
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .comm.base import Communicator, ReduceOp
 from .compression.allreduce import allreduce_wire_bytes, compressed_allreduce, derive_seed
 from .compression.codecs import Codec
+from .consistency import check_ranks_agree, settings_entries
 from .fusion import DEFAULT_FUSION_THRESHOLD, Bucket, FusionLayout, TensorSpec, plan_buckets
+from .guards import check_replicas, check_steps_agree
 from .tensor_ops import MutableTensorOps, Tensor
+
+
+def _integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
+    """``value`` as an int >= ``minimum`` (numpy ints too), or a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{hint}, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Settings of one pipeline (the same on every rank; checked at construction)."""
+    """Settings of one pipeline (the same on every rank; checked at construction).
+
+    ``check_replicas_every``: compare a checksum of every parameter across ranks every that many
+    steps (0: never); see :mod:`pipesgd_hvd.guards`."""
 
     width: int = 2
     warmup_steps: int = 0
@@ -41,20 +61,27 @@ class PipelineConfig:
     gradient_predivide_factor: float = 1.0
     name: str = "psgd"
     seed: int = 0
+    check_replicas_every: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
-            raise ValueError(f"width must be an int >= 1 (1 = synchronous, 2 = Pipe-SGD), got {self.width!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if not isinstance(self.fusion_threshold_bytes, int) or self.fusion_threshold_bytes < 0:
-            raise ValueError(f"fusion threshold must be an int >= 0 bytes, got {self.fusion_threshold_bytes!r}")
+        # Frozen: normalised values (numpy ints -> int) are written through object.__setattr__.
+        fix = lambda field_name, value: object.__setattr__(self, field_name, value)  # noqa: E731
+        fix("width", _integer("width", self.width, 1, " (1 = synchronous, 2 = Pipe-SGD)"))
+        fix("warmup_steps", _integer("warmup_steps", self.warmup_steps, 0))
+        fix("fusion_threshold_bytes", _integer("fusion threshold", self.fusion_threshold_bytes, 0, " bytes"))
+        fix("seed", _integer("seed", self.seed, 0, " (the same on every rank)"))
+        fix("check_replicas_every", _integer("check_replicas_every", self.check_replicas_every, 0,
+                                             " steps (0 or None: never)"))
         if not isinstance(self.op, ReduceOp):
             raise ValueError(f"op must be Average or Sum, got {self.op!r}")
-        if not self.gradient_predivide_factor > 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got {self.gradient_predivide_factor!r}")
+        factor = self.gradient_predivide_factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < math.inf:
+            raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {factor!r}")
+        fix("gradient_predivide_factor", float(factor))
         if self.gradient_predivide_factor != 1.0 and self.op is not ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor is only supported with op=Average (as in Horovod)")
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a str, got {self.name!r}")
 
     def width_at(self, step: int) -> int:
         return 1 if step < self.warmup_steps else self.width
@@ -132,7 +159,12 @@ class PipelineEngine:
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._anchors = dict(device_anchors or {})
         self.stats = WireStats()
-        self._check_ranks_agree({
+        self._failure: Optional[BaseException] = None
+        # Set on the first failure; the comm thread then runs no further queued reduction (each
+        # would wait a full timeout for a peer that is gone, and exit joins that thread).
+        self._abort = threading.Event()
+        self._replicas_agreed_at = 0
+        check_ranks_agree(comm, {
             "settings": self._settings(),
             "tensors": [(spec.name, tuple(spec.shape), spec.dtype) for spec in self.specs]})
 
@@ -155,9 +187,35 @@ class PipelineEngine:
         """Spec ``index``'s gradient was handed in during the open step."""
         return self._current is not None and index in self._current.seen
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that stopped this pipeline, or None while it runs."""
+        return self._failure
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"the pipeline stopped at an earlier error on this rank ({type(self._failure).__name__}: "
+                f"{self._failure}); its in-flight steps cannot complete consistently. Restart every rank from "
+                "the last checkpoint") from self._failure
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._abort.set()
+
+    def _checked(self, check: Callable[[], None]) -> None:
+        """Runs a cross-rank check; its error stops the pipeline (the ranks disagree)."""
+        try:
+            check()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
     # ------------------------------------------------------------------------------- the step
     def begin_step(self, active: Sequence[int]) -> None:
         """Open a step over the gradients ``active`` (spec indices; those that require grad now)."""
+        self._raise_if_failed()
         if self._current is not None:
             raise RuntimeError("begin_step() called twice without end_step()")
         layout = self.layout_for(active)
@@ -172,6 +230,7 @@ class PipelineEngine:
 
     def add_gradient_(self, index: int, grad: Tensor) -> None:
         """Copy spec ``index``'s local gradient of this step into its bucket; launch what is ready."""
+        self._raise_if_failed()
         cur = self._current
         if cur is None:
             raise RuntimeError("add_gradient_() before begin_step()")
@@ -192,6 +251,7 @@ class PipelineEngine:
         """End the open step: launch what is left (missing gradients count as zeros), then wait for
         the steps that fall out of the pipeline and return them, oldest first (usually one; none
         while the pipeline fills)."""
+        self._raise_if_failed()
         cur = self._current
         if cur is None:
             raise RuntimeError("end_step() without an open step")
@@ -206,8 +266,17 @@ class PipelineEngine:
             applied.append(self._finish(self._queue.popleft()))
         return applied
 
-    def flush(self) -> List[AppliedStep]:
-        """Wait for every step in flight (ending an open one first) and return them, oldest first."""
+    def flush(self, check_steps: bool = True) -> List[AppliedStep]:
+        """Wait for every step in flight (ending an open one first) and return them, oldest first.
+
+        Collective: first checks that every rank has run the same number of steps (a rank that
+        ran more would wait forever for the others' share of its last reduction), and raises
+        :class:`~pipesgd_hvd.guards.StepCountMismatchError` on every rank if not.
+        ``check_steps=False`` skips that (at interpreter exit, where the other ranks may be gone)."""
+        self._raise_if_failed()
+        if check_steps:
+            ended = self._step + (1 if self._current is not None else 0)
+            self._checked(lambda: check_steps_agree(self.comm, ended, "flush()"))
         if self._current is not None:
             self._launch_ready(self._current, force=True)
             self._queue.append(self._current)
@@ -219,11 +288,31 @@ class PipelineEngine:
 
     def close(self) -> None:
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            # After a failure, queued reductions would only wait for a peer that is gone.
+            failed = self._failure is not None
+            self._worker.shutdown(wait=not failed, cancel_futures=failed)
             self._worker = None
 
+    # ------------------------------------------------------------------------- replica check
+    def replica_check_due(self) -> bool:
+        """Whether the open step is one where :meth:`check_replicas` runs (every
+        ``check_replicas_every`` steps; the same answer on every rank)."""
+        every = self.config.check_replicas_every
+        return bool(every) and self._step > 0 and self._step % every == 0 and self._replicas_agreed_at != self._step
+
+    def check_replicas(self, named: Sequence[Tuple[str, Any]]) -> None:
+        """Collective: compares a checksum of each (name, host array) across ranks, and the step
+        counts; raises :class:`~pipesgd_hvd.guards.ReplicaDriftError` (or StepCountMismatchError)
+        on every rank, naming the step and the first tensor that differs."""
+        self._raise_if_failed()
+        self._checked(lambda: check_replicas(self.comm, self._step, named, self._replicas_agreed_at))
+        self._replicas_agreed_at = self._step
+
     # ------------------------------------------------------------------------------- layouts
-    def layout_for(self, active: Sequence[int]) -> FusionLayout:
+    def layout_for(self, active: Sequence[int], check: bool = True) -> FusionLayout:
+        """The buckets for the tensors ``active``. A set not seen before is checked against the
+        other ranks (collective; ``check=False`` when restoring a checkpoint, which ranks may do
+        alone): ranks that freeze different parameters would issue different collectives."""
         key = tuple(sorted(set(active)))
         layout = self._layouts.get(key)
         if layout is None:
@@ -232,43 +321,22 @@ class PipelineEngine:
             chosen = set(key)
             order = [i for i in self._ready_order if i in chosen]
             layout = plan_buckets(self.specs, order, self.config.fusion_threshold_bytes)
-            if len(key) < len(self.specs):  # the full set was checked at construction
-                self._check_ranks_agree({
-                    "tensors that require grad": [(self.specs[i].name, tuple(self.specs[i].shape), self.specs[i].dtype)
-                                                  for i in key]})
+            if check:  # also for the full set: a rank that froze something before step 0 is caught
+                self._checked(lambda: self._check_trainable_agree(key))
             self._layouts[key] = layout
         return layout
 
-    def _settings(self) -> List[Tuple[str, Any]]:
-        c = self.config
-        return [("width", c.width), ("warmup_steps", c.warmup_steps), ("op", c.op.value),
-                ("fusion_threshold_bytes", c.fusion_threshold_bytes),
-                ("gradient_predivide_factor", c.gradient_predivide_factor), ("compression", self.codec.name)]
+    def _check_trainable_agree(self, key: Tuple[int, ...]) -> None:
+        try:
+            check_ranks_agree(self.comm, {"tensors that require grad": [
+                (self.specs[i].name, tuple(self.specs[i].shape), self.specs[i].dtype) for i in key]})
+        except ValueError as exc:
+            raise ValueError(f"{exc}; here: set requires_grad on the same parameters on every rank, at the same "
+                             "step") from None
 
-    def _check_ranks_agree(self, mine: Dict[str, List[Tuple[Any, ...]]]) -> None:
-        """One small allgather: every rank must have the same tensors and settings, in the same
-        order, or the collectives would mismatch and hang. Raises the same error on every rank."""
-        # The op name must not depend on anything rank-local (a differing name would itself hang).
-        # Order-matched transports (MPI, torch.distributed) pair collectives by issue order, so
-        # while the comm thread may be mid-reduction the check is queued behind it on that thread.
-        if self._worker is not None:
-            everyone = self._worker.submit(self.comm.allgather_object, mine, "pipesgd.check").result()
-        else:
-            everyone = self.comm.allgather_object(mine, "pipesgd.check")
-        for label in mine:
-            for rank, theirs_all in enumerate(everyone):
-                theirs = theirs_all.get(label)
-                ref = everyone[0][label]
-                if theirs == ref:
-                    continue
-                for pos, (a, b) in enumerate(zip(ref, theirs)):
-                    if a != b:
-                        raise ValueError(
-                            f"{label} differ across ranks at entry {pos}: rank 0 has {a}, rank {rank} has {b}. "
-                            "Every rank must build the same model (parameter names, shapes, dtypes, order) and "
-                            "pass the same optimizer settings")
-                raise ValueError(f"{label} differ across ranks: rank 0 has {len(ref)} entries, rank {rank} has "
-                                 f"{len(theirs)}. Every rank must build the same model and optimizer")
+    def _settings(self) -> List[Tuple[str, Any]]:
+        return settings_entries(self.config, self.codec.name) + [
+            ("check_replicas_every", self.config.check_replicas_every)]
 
     def _like(self, bucket: Bucket) -> Any:
         return self._anchors.get(bucket.device)
@@ -304,12 +372,20 @@ class PipelineEngine:
         # its own stream), so neither the codec work nor the blocking waits hold up compute.
         marker = ops.ready_marker(flat)
 
+        abort = self._abort
+
         def job() -> Tuple[Tensor, int, Any]:
-            with ops.stream_guard():
-                ops.wait_marker(marker)
-                out, sent = compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed,
-                                                 op=cfg.op, prescale=prescale, postscale=postscale)
-                return out, sent, ops.ready_marker(out)
+            if abort.is_set():
+                raise RuntimeError(f"{name} was not started: an earlier reduction on this rank failed")
+            try:
+                with ops.stream_guard():
+                    ops.wait_marker(marker)
+                    out, sent = compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed,
+                                                     op=cfg.op, prescale=prescale, postscale=postscale)
+                    return out, sent, ops.ready_marker(out)
+            except BaseException:
+                abort.set()  # before the main thread even sees it: the next queued job must not start
+                raise
 
         future = self._comm_thread().submit(job)
 
@@ -330,7 +406,11 @@ class PipelineEngine:
             grads: Dict[int, Tensor] = {}
             for bucket, reduction in zip(s.layout.buckets, s.reductions):
                 assert reduction is not None
-                flat, sent = reduction.wait()
+                try:
+                    flat, sent = reduction.wait()
+                except BaseException as exc:  # a lost peer, a timeout, or an interrupt mid-wait
+                    self._fail(exc)
+                    raise
                 self.stats.bytes_sent += sent
                 self.stats.fp32_bytes += allreduce_wire_bytes(bucket.numel, "float32", self.comm.size)
                 for m in bucket.members:
@@ -343,6 +423,7 @@ class PipelineEngine:
     def state_dict(self) -> Dict[str, Any]:
         """Waits for the steps in flight and returns them reduced, with codec state and counters.
         Tensors are copies: training may go on after the call."""
+        self._raise_if_failed()
         if self._current is not None:
             raise RuntimeError("state_dict() was called between backward() and step(): call step() first, "
                                "so that the current gradients are part of the pipeline")
@@ -372,7 +453,7 @@ class PipelineEngine:
             if missing:
                 raise ValueError(f"checkpoint holds in-flight gradients for unknown tensors {missing}")
             grads = {by_name[n]: self.ops.new_state(g) for n, g in entry["grads"].items()}
-            layout = self.layout_for(list(grads))
+            layout = self.layout_for(list(grads), check=False)
             self._queue.append(_Step(entry["step"], layout, [], [], grads=grads, meta=entry["meta"]))
         self._step = int(state["step"])
         self.codec.load_state_dict(state["codec"], self.ops)

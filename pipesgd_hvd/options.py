@@ -32,8 +32,9 @@ def check_backward_passes(value: Any) -> int:
 
 
 def fusion_threshold_bytes(megabytes: Any) -> int:
-    if isinstance(megabytes, bool) or not isinstance(megabytes, (int, float)) or not megabytes >= 0:
-        raise ValueError(f"fusion_threshold_mb must be a number >= 0, got {megabytes!r}")
+    if isinstance(megabytes, bool) or not isinstance(megabytes, (int, float)) or not 0 <= megabytes < float("inf"):
+        raise ValueError(f"fusion_threshold_mb must be a finite number >= 0 (MiB; 0: one bucket per tensor), "
+                         f"got {megabytes!r}")
     return int(megabytes * 2**20)
 
 

@@ -14,7 +14,10 @@ except ImportError:  # torchrun without Horovod: the optimizer still works over 
 
     Average, Sum = _ReduceOp.AVERAGE, _ReduceOp.SUM
 
+from .comm.base import PeerLostError  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .frameworks.torch import DistributedOptimizer  # noqa: E402
+from .guards import ReplicaDriftError, StepCountMismatchError  # noqa: E402
 
-__all__ = ["Average", "Compression", "DistributedOptimizer", "Sum"]
+__all__ = ["Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
+           "StepCountMismatchError", "Sum"]

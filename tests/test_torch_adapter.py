@@ -1,4 +1,6 @@
 """The PyTorch adapter's contract with user code, on in-process ranks."""
+import threading
+
 import pytest
 import torch
 
@@ -97,9 +99,12 @@ def test_parameters_without_gradient_and_requires_grad_changes():
     reduced and not updated; unfreezing it later works; replicas stay identical."""
     world, batches = LocalWorld(2, TORCH_OPS), make_batches(10, 2)
 
+    seeding = threading.Lock()  # the global RNG is shared by the rank threads: seed and draw as one
+
     def rank_fn(rank, comm):
-        torch.manual_seed(0)
-        body, head_a, head_b = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+        with seeding:
+            torch.manual_seed(0)
+            body, head_a, head_b = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
         modules = torch.nn.ModuleDict({"body": body, "a": head_a, "b": head_b})
         opt = wrap(modules, comm, torch.optim.SGD(modules.parameters(), lr=0.1, momentum=0.9), width=2)
         frozen_b_before = None

@@ -4,11 +4,17 @@ Every collective returns a :class:`Handle`; ``wait()`` blocks until the result i
 returns it. ``allreduce_async_`` works in place (trailing underscore); ``alltoall_async`` and
 ``allgather_async`` return new tensors. Collectives must be issued in the same order on every
 rank (the engine guarantees it): MPI-style transports match them by order, Horovod by name.
+
+No wait is unbounded: a collective that does not complete within ``PIPESGD_TIMEOUT`` seconds
+(default :data:`DEFAULT_TIMEOUT_S`) raises :class:`PeerLostError`, and so does a transport that
+reports a broken connection. ``docs/reliability.md`` lists what each failure gives.
 """
 from __future__ import annotations
 
 import enum
 import os
+import sys
+import threading
 import time
 from typing import Any, Callable, List, Optional, Protocol
 
@@ -22,6 +28,23 @@ class ReduceOp(enum.Enum):
 
 class PeerLostError(RuntimeError):
     """A collective did not complete because a peer went away or stopped answering."""
+
+
+# torch.distributed's NCCL default: long enough for one rank to evaluate or write a checkpoint
+# alone while the others wait in step(), short enough that a lost peer does not hold a job for hours.
+DEFAULT_TIMEOUT_S = 600.0
+# After a lost peer, how long interpreter exit may take before the process ends itself (see
+# exit_if_stuck): a transport's own shutdown can wait forever for the peer that is gone.
+DEFAULT_EXIT_GRACE_S = 10.0
+
+# Why a collective may never complete; every timeout message lists these, since the rank that
+# times out cannot tell them apart.
+TIMEOUT_CAUSES = (
+    "a peer was lost (its process died or its host stopped answering), or the ranks issued different "
+    "collectives: one rank called step() more or fewer times than the others, skipped a backward pass, "
+    "froze different parameters, or called flush() alone. Look for the first error in the other ranks' "
+    "logs; if a rank can legitimately be this slow (evaluation or checkpointing on one rank), raise "
+    "PIPESGD_TIMEOUT (seconds; 0 disables the timeout)")
 
 
 class Handle(Protocol):
@@ -48,7 +71,12 @@ class Communicator(Protocol):
     def alltoall_async(self, x: Tensor, name: str) -> Handle: ...
     def allgather_async(self, x: Tensor, name: str) -> Handle: ...
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        """Blocking: every rank's ``obj``, in rank order (for consistency checks)."""
+        """Blocking: every rank's ``obj``, in rank order (for consistency checks).
+
+        It must not be ordered with the tensor collectives (a separate MPI communicator or
+        process group; Horovod matches by name anyway): the checks run while reductions are in
+        flight, and a rank that is missing one of those must still be able to answer the check.
+        It times out like the collectives (:class:`PeerLostError`)."""
 
 
 def postscale_factor(op: ReduceOp, postscale: float, size: int) -> float:
@@ -56,10 +84,47 @@ def postscale_factor(op: ReduceOp, postscale: float, size: int) -> float:
     return postscale / size if op is ReduceOp.AVERAGE else postscale
 
 
+def _seconds_from_env(variable: str, default: float) -> Optional[float]:
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{variable}={value!r} is not a number of seconds; set it to e.g. 600, or 0 "
+                         "for no limit") from None
+    if seconds != seconds or seconds < 0:
+        raise ValueError(f"{variable}={value!r} must be >= 0 seconds (0: no limit)")
+    return seconds if seconds > 0 else None
+
+
 def default_timeout() -> Optional[float]:
-    """Seconds a collective may take before it counts as a lost peer (``PIPESGD_TIMEOUT``)."""
-    value = os.environ.get("PIPESGD_TIMEOUT", "")
-    return float(value) if value else None
+    """Seconds a collective may take before it counts as a lost peer: ``PIPESGD_TIMEOUT``
+    (default :data:`DEFAULT_TIMEOUT_S`; ``0`` waits forever)."""
+    return _seconds_from_env("PIPESGD_TIMEOUT", DEFAULT_TIMEOUT_S)
+
+
+def exit_if_stuck(reason: str) -> None:
+    """Called at interpreter exit after a lost peer: ends the process with status 1 if exit has
+    not finished ``PIPESGD_EXIT_GRACE`` seconds (default :data:`DEFAULT_EXIT_GRACE_S`) later.
+
+    Why: after the error, Python's exit runs the transport's own shutdown (Horovod registers
+    one), which can wait forever for the peer that is gone (MPI) or for its own timeout (Gloo,
+    30 s), and a rank that never exits is a hang. torch.distributed's NCCL watchdog ends the
+    process for the same reason. A daemon thread: it does not itself keep the process alive."""
+    grace = _seconds_from_env("PIPESGD_EXIT_GRACE", DEFAULT_EXIT_GRACE_S)
+    if grace is None:
+        return
+
+    def end() -> None:
+        time.sleep(grace)
+        sys.stderr.write(f"pipesgd_hvd: {reason}; the transport did not shut down within {grace:.0f} s "
+                         "(PIPESGD_EXIT_GRACE), ending the process with status 1\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+    threading.Thread(target=end, name="pipesgd-exit-guard", daemon=True).start()
 
 
 class DoneHandle:
@@ -104,9 +169,8 @@ class PolledHandle:
         sleep = 0.00005
         while not self._poll():
             if self._timeout is not None and time.monotonic() - start > self._timeout:
-                raise PeerLostError(
-                    f"{self._what} did not complete within {self._timeout:.0f} s: a peer was lost or "
-                    "stopped answering (raise PIPESGD_TIMEOUT if ranks can legitimately be this slow)")
+                raise PeerLostError(f"{self._what} did not complete within {self._timeout:g} s "
+                                    f"(PIPESGD_TIMEOUT): {TIMEOUT_CAUSES}")
             time.sleep(sleep)
             sleep = min(sleep * 2, self._max_sleep)
         self._result = self._finish()

@@ -1,14 +1,44 @@
 """Horovod's PyTorch ops (NCCL on GPU, Gloo or MPI on CPU) behind the Communicator protocol."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import pickle
+from typing import Any, Callable, List, Optional, TypeVar
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 
-from .base import PolledHandle, ReduceOp, default_timeout
+from .base import PeerLostError, PolledHandle, ReduceOp, default_timeout
 
 _HVD_OPS = {ReduceOp.SUM: hvd.Sum, ReduceOp.AVERAGE: hvd.Average}
+T = TypeVar("T")
+
+
+class HorovodPeerLostError(PeerLostError, HorovodInternalError):
+    """Horovod shut down under a collective. Also a HorovodInternalError, so that code written for
+    Horovod (``hvd.elastic.run`` resets on it) sees the failure it expects."""
+
+
+def _lost(what: str, exc: BaseException) -> PeerLostError:
+    first = str(exc).split(". ")[0].strip()
+    return HorovodPeerLostError(
+        f"a peer was lost: Horovod shut down while {what} was in flight ({first}). Horovod shuts down when a "
+        "peer's process dies or its host stops answering, or when its stall shutdown "
+        "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) fires because ranks issued different collectives (different "
+        "numbers of step() calls, a skipped backward pass). Look for the first error in the other ranks' logs, "
+        "then restart every rank from the last checkpoint")
+
+
+def _translated(call: Callable[[], T], what: str) -> T:
+    """Runs a Horovod call; the errors Horovod raises once it has shut down become PeerLostError."""
+    try:
+        return call()
+    except HorovodInternalError as exc:
+        raise _lost(what, exc) from exc
+    except (RuntimeError, ValueError) as exc:
+        if "shut down" not in str(exc):  # anything else is not a transport failure: let it through
+            raise
+        raise _lost(what, exc) from exc
 
 
 class HorovodTorchCommunicator:
@@ -29,25 +59,37 @@ class HorovodTorchCommunicator:
 
     def _handle(self, handle: int, what: str, pick: Any = None) -> PolledHandle:
         def finish() -> Any:
-            out = hvd.synchronize(handle)
+            out = _translated(lambda: hvd.synchronize(handle), what)
             return out[0] if pick == "first" else out
 
-        return PolledHandle(lambda: hvd.poll(handle), finish, what, self._timeout)
+        return PolledHandle(lambda: _translated(lambda: hvd.poll(handle), what), finish, what, self._timeout)
 
     def allreduce_async_(self, x: torch.Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
                          prescale: float = 1.0, postscale: float = 1.0) -> PolledHandle:
-        handle = hvd.allreduce_async_(x, name=name, op=_HVD_OPS[op],
-                                      prescale_factor=prescale, postscale_factor=postscale)
-        return self._handle(handle, f"allreduce '{name}'")
+        what = f"allreduce '{name}'"
+        handle = _translated(lambda: hvd.allreduce_async_(x, name=name, op=_HVD_OPS[op], prescale_factor=prescale,
+                                                          postscale_factor=postscale), what)
+        return self._handle(handle, what)
 
     def alltoall_async(self, x: torch.Tensor, name: str) -> PolledHandle:
         # splits=None: equal rows to every rank; synchronize returns (output, received_splits).
-        handle = hvd.alltoall_async(x, name=name)
-        return self._handle(handle, f"alltoall '{name}'", pick="first")
+        what = f"alltoall '{name}'"
+        handle = _translated(lambda: hvd.alltoall_async(x, name=name), what)
+        return self._handle(handle, what, pick="first")
 
     def allgather_async(self, x: torch.Tensor, name: str) -> PolledHandle:
-        handle = hvd.allgather_async(x, name=name)
-        return self._handle(handle, f"allgather '{name}'")
+        what = f"allgather '{name}'"
+        handle = _translated(lambda: hvd.allgather_async(x, name=name), what)
+        return self._handle(handle, what)
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        return list(hvd.allgather_object(obj, name=name))
+        # hvd.allgather_object blocks in synchronize() with no timeout; the same two allgathers
+        # (sizes, then the bytes, whose first dimension may differ per rank) through polled handles.
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.allgather_async(torch.tensor([data.numel()], dtype=torch.int64), f"{name}.sz").wait()
+        gathered = self.allgather_async(data, f"{name}.data").wait()
+        out, offset = [], 0
+        for size in sizes.tolist():
+            out.append(pickle.loads(gathered[offset:offset + size].numpy().tobytes()))
+            offset += size
+        return out

@@ -1,7 +1,8 @@
 """An in-process world: N ranks as threads sharing memory, for unit tests of the engine.
 
 Collectives are matched by the order in which each rank issues them (as MPI does), so a test
-also catches an engine that issues them in a different order on different ranks.
+also catches an engine that issues them in a different order on different ranks. Object
+allgathers (consistency checks) have their own order, as a separate MPI communicator would.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 from typing import Any, Callable, Dict, List, Tuple
 
 from ..tensor_ops import MutableTensorOps, Tensor
-from .base import ReduceOp, PeerLostError, postscale_factor
+from .base import TIMEOUT_CAUSES, PeerLostError, ReduceOp, postscale_factor
 
 
 class LocalWorld:
@@ -22,9 +23,10 @@ class LocalWorld:
         self.ops = ops
         self.timeout = timeout
         self._lock = threading.Condition()
-        self._pending: Dict[int, Dict[int, Tuple[str, str, Any]]] = {}
-        self._results: Dict[int, Dict[int, Any]] = {}
-        self._issued = [0] * size
+        # Keyed by (channel, sequence number): "tensor" collectives and "object" checks.
+        self._pending: Dict[Tuple[str, int], Dict[int, Tuple[str, str, Any]]] = {}
+        self._results: Dict[Tuple[str, int], Dict[int, Any]] = {}
+        self._issued: Dict[str, List[int]] = {"tensor": [0] * size, "object": [0] * size}
         self.events: List[Tuple[int, str, str]] = []  # (rank, "start"/"wait"/"done", name)
 
     def communicator(self, rank: int) -> "LocalCommunicator":
@@ -36,14 +38,15 @@ class LocalWorld:
 
     def _submit(self, rank: int, kind: str, name: str, payload: Any,
                 combine: Callable[[List[Any]], List[Any]]) -> "_LocalHandle":
+        channel = "object" if kind == "allgather_object" else "tensor"
         with self._lock:
-            seq = self._issued[rank]
-            self._issued[rank] += 1
+            seq = (channel, self._issued[channel][rank])
+            self._issued[channel][rank] += 1
             entries = self._pending.setdefault(seq, {})
             for other, (okind, oname, _) in entries.items():
                 if (okind, oname) != (kind, name):
                     raise RuntimeError(
-                        f"collective #{seq} mismatch: rank {rank} issued {kind} '{name}', "
+                        f"{channel} collective #{seq[1]} mismatch: rank {rank} issued {kind} '{name}', "
                         f"rank {other} issued {okind} '{oname}'")
             entries[rank] = (kind, name, payload)
             if len(entries) == self.size:
@@ -54,12 +57,13 @@ class LocalWorld:
             self.events.append((rank, "start", name))
         return _LocalHandle(self, seq, rank, name)
 
-    def _wait(self, seq: int, rank: int, name: str) -> Any:
+    def _wait(self, seq: Tuple[str, int], rank: int, name: str) -> Any:
         with self._lock:
             self.events.append((rank, "wait", name))
             ok = self._lock.wait_for(lambda: seq in self._results, timeout=self.timeout)
             if not ok:
-                raise PeerLostError(f"local collective '{name}' timed out after {self.timeout} s")
+                raise PeerLostError(f"local collective '{name}' did not complete within {self.timeout:g} s: "
+                                    f"{TIMEOUT_CAUSES}")
             result = self._results[seq].pop(rank)
             if not self._results[seq]:
                 del self._results[seq]
@@ -68,7 +72,7 @@ class LocalWorld:
 
 
 class _LocalHandle:
-    def __init__(self, world: LocalWorld, seq: int, rank: int, name: str) -> None:
+    def __init__(self, world: LocalWorld, seq: Tuple[str, int], rank: int, name: str) -> None:
         self._world, self._seq, self._rank, self._name = world, seq, rank, name
         self._value: Any = None
         self._finished = False

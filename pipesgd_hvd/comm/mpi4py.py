@@ -5,6 +5,7 @@ zero-copy numpy views; dtypes MPI cannot sum (float16, bfloat16) are summed in f
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any, List, Optional
 
 import numpy as np
@@ -23,6 +24,9 @@ class Mpi4pyCommunicator:
         # A duplicate of the world (collective): MPI matches collectives by issue order within a
         # communicator, so the pipeline's traffic must not share one with the user's own calls.
         self._comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
+        # Checks get a communicator of their own: they run while reductions are in flight, and a
+        # rank missing one of those (fewer step() calls) must still answer the check.
+        self._check_comm = self._comm.Dup()
         self._timeout = timeout if timeout is not None else default_timeout()
 
     @property
@@ -77,4 +81,15 @@ class Mpi4pyCommunicator:
         return self._polled(request, finish, f"allgather '{name}'")
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        return list(self._comm.allgather(obj))
+        # comm.allgather(obj) blocks with no timeout: sizes, then the padded bytes, non-blocking.
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        sizes = np.empty(self.size, dtype=np.int64)
+        request = self._check_comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)
+        self._polled(request, request.Wait, f"allgather_object '{name}' (sizes)").wait()
+        longest = int(sizes.max())
+        send = np.zeros(longest, dtype=np.uint8)
+        send[:data.size] = data
+        recv = np.empty((self.size, longest), dtype=np.uint8)
+        request = self._check_comm.Iallgather(send, recv)
+        self._polled(request, request.Wait, f"allgather_object '{name}'").wait()
+        return [pickle.loads(recv[r, :sizes[r]].tobytes()) for r in range(self.size)]

@@ -1,12 +1,25 @@
 """torch.distributed (Gloo on CPU, NCCL on GPU): the fallback when Horovod is absent (torchrun)."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import datetime
+from typing import Any, Callable, List, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .base import PolledHandle, ReduceOp, postscale_factor, default_timeout
+from .base import TIMEOUT_CAUSES, PeerLostError, PolledHandle, ReduceOp, default_timeout, postscale_factor
+
+T = TypeVar("T")
+
+
+def _translated(call: Callable[[], T], what: str) -> T:
+    """Gloo and NCCL report a broken connection or their own timeout as a RuntimeError (a
+    DistBackendError on recent PyTorch): the same PeerLostError as every other transport."""
+    try:
+        return call()
+    except RuntimeError as exc:
+        raise PeerLostError(f"torch.distributed failed during {what} ({str(exc).splitlines()[0]}): "
+                            f"{TIMEOUT_CAUSES}") from exc
 
 
 class TorchDistributedCommunicator:
@@ -22,6 +35,11 @@ class TorchDistributedCommunicator:
         # pipelined reduction is in flight on our comm thread, must not interleave with it.
         self._group = group if group is not None else dist.new_group()
         self._timeout = timeout if timeout is not None else default_timeout()
+        # Checks get a group of their own (they run while reductions are in flight, and a rank
+        # missing one of those must still answer the check), bounded by the same timeout.
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        limit = datetime.timedelta(seconds=self._timeout if self._timeout is not None else 10 * 365 * 86400)
+        self._check_group = dist.new_group(ranks=ranks, timeout=limit)
 
     @property
     def rank(self) -> int:
@@ -31,8 +49,8 @@ class TorchDistributedCommunicator:
     def size(self) -> int:
         return dist.get_world_size(self._group)
 
-    def _polled(self, work: Any, finish: Any, what: str) -> PolledHandle:
-        return PolledHandle(work.is_completed, finish, what, self._timeout)
+    def _polled(self, work: Any, finish: Callable[[], Any], what: str) -> PolledHandle:
+        return PolledHandle(work.is_completed, lambda: _translated(finish, what), what, self._timeout)
 
     def allreduce_async_(self, x: torch.Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
                          prescale: float = 1.0, postscale: float = 1.0) -> PolledHandle:
@@ -61,5 +79,5 @@ class TorchDistributedCommunicator:
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         out: List[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self._group)
+        _translated(lambda: dist.all_gather_object(out, obj, group=self._check_group), f"allgather_object '{name}'")
         return out

@@ -13,38 +13,22 @@ import weakref
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from ..comm.base import Communicator, ReduceOp
+from ..comm.base import Communicator, exit_if_stuck
 from ..compression import Compression, resolve_compression
 from ..engine import AppliedStep, PipelineConfig, PipelineEngine, WireStats
 from ..fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec
+from ..options import check_backward_passes, check_global_process_set, fusion_threshold_bytes, resolve_reduce_op
+from . import torch_checks as checks
 from .torch_ops import TORCH_OPS, dtype_name
 
 try:  # Horovod is the default transport, but torchrun users may not have it
     import horovod.torch as _hvd
 except ImportError:  # pragma: no cover - exercised only without Horovod
     _hvd = None
-
-
-def _reduce_op(op: Any) -> ReduceOp:
-    if isinstance(op, ReduceOp):
-        return op
-    if op is None or (isinstance(op, str) and op.lower() == "average"):
-        return ReduceOp.AVERAGE
-    if isinstance(op, str) and op.lower() == "sum":
-        return ReduceOp.SUM
-    if _hvd is not None and isinstance(op, int) and not isinstance(op, bool):
-        if op == _hvd.Average:
-            return ReduceOp.AVERAGE
-        if op == _hvd.Sum:
-            return ReduceOp.SUM
-        if op == _hvd.Adasum:
-            raise ValueError("op=Adasum is not supported by pipesgd_hvd (it is not a sum of gradients, so it "
-                             "cannot be pipelined or compressed): use op=Average")
-    raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
 
 
 def default_communicator(name: Optional[str] = None) -> Communicator:
@@ -72,31 +56,6 @@ def default_communicator(name: Optional[str] = None) -> Communicator:
         raise ValueError(f"unknown communicator {name!r}: use 'horovod', 'mpi4py' or 'torch.distributed'")
     raise RuntimeError("no communicator is ready: call hvd.init() (or torch.distributed.init_process_group()) "
                        "before creating DistributedOptimizer")
-
-
-def _named(optimizer: torch.optim.Optimizer,
-           named_parameters: Optional[Sequence[Tuple[str, torch.Tensor]]]) -> List[Tuple[str, torch.Tensor]]:
-    """(name, parameter) for every parameter of the optimizer, in param-group order (Horovod's checks)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(optimizer.param_groups)
-                for j, p in enumerate(group["params"])]
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
-                         "produced by model.named_parameters()")
-    seen, dups = set(), set()
-    for name, _ in named:
-        (dups if name in seen else seen).add(name)
-    if dups:
-        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {', '.join(sorted(dups))}")
-    by_id = {id(p): name for name, p in named}
-    unnamed = [p for p in params if id(p) not in by_id]
-    if unnamed:
-        raise ValueError(f"named_parameters was given, but {len(unnamed)} parameter(s) of the optimizer are not "
-                         f"in it (shapes {[tuple(p.shape) for p in unnamed][:5]}); pass model.named_parameters() "
-                         "of the model the optimizer trains")
-    return [(by_id[id(p)], p) for p in params]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -143,6 +102,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pattern: ``scaler.scale(loss).backward(); opt.synchronize(); scaler.unscale_(opt)``
             (optional), ``with opt.skip_synchronize(): scaler.step(opt)``; ``scaler.update()``.
         seed: seeds stochastic rounding (the same on every rank).
+        check_replicas_every: every that many steps, compare a checksum of every parameter across
+            ranks and raise ``ReplicaDriftError`` on every rank, naming the step and the first
+            parameter that differs (default None: never). Costs one pass over the weights on the
+            host and a small allgather per check.
+
+    Errors: a bad argument, parameters that differ across ranks, a gradient that cannot be
+    averaged, or ranks that ran different numbers of steps raise on every rank with the tensor and
+    the fix; a collective that does not complete within ``PIPESGD_TIMEOUT`` seconds (default 600)
+    raises ``PeerLostError``. ``docs/reliability.md`` has the full table.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
@@ -150,20 +118,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
                  sparse_as_dense: bool = False, process_set: Any = None, *, width: int = 2,
                  warmup_steps: int = 0, fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20,
-                 communicator: Any = None, grad_scaler: Any = None, seed: int = 0) -> None:
+                 communicator: Any = None, grad_scaler: Any = None, seed: int = 0,
+                 check_replicas_every: Optional[int] = None) -> None:
+        # Every check runs before the first collective, so a bad argument (the same on every
+        # rank, as the code is) raises on every rank and no rank is left waiting.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a pipesgd_hvd DistributedOptimizer")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
-        if process_set is not None and _hvd is not None and process_set is not _hvd.global_process_set:
-            raise ValueError("pipesgd_hvd supports only Horovod's global process set; omit process_set")
-        if not isinstance(fusion_threshold_mb, (int, float)) or fusion_threshold_mb < 0:
-            raise ValueError(f"fusion_threshold_mb must be a number >= 0, got {fusion_threshold_mb!r}")
+        check_backward_passes(backward_passes_per_step)
+        check_global_process_set(process_set, _hvd)
+        if process_set is not None and _hvd is None:
+            raise ValueError("process_set needs Horovod, which is not installed; omit process_set")
+        threshold_bytes = fusion_threshold_bytes(fusion_threshold_mb)
+        checks.check_flag("sparse_as_dense", sparse_as_dense)
+        checks.check_grad_scaler(grad_scaler)
+        if communicator is not None and not isinstance(communicator, str):
+            checks.check_communicator(communicator)
         self._optimizer = optimizer
-        self._named = _named(optimizer, named_parameters)
+        self._named = checks.named_parameters(optimizer, named_parameters)
+        checks.check_parameters(self._named)
+        checks.check_groups(num_groups, groups, [p for _, p in self._named])
         self._params = [p for _, p in self._named]
         self._index = {p: i for i, p in enumerate(self._params)}
         self.backward_passes_per_step = backward_passes_per_step
@@ -172,9 +147,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.width = width
         digest = hashlib.blake2b(repr([n for n, _ in self._named]).encode(), digest_size=3).hexdigest()
         self._config = PipelineConfig(width=width, warmup_steps=warmup_steps,
-                                      fusion_threshold_bytes=int(fusion_threshold_mb * 2**20), op=_reduce_op(op),
+                                      fusion_threshold_bytes=threshold_bytes,
+                                      op=resolve_reduce_op(op, _hvd),
                                       gradient_predivide_factor=gradient_predivide_factor,
-                                      name=f"psgd.{digest}", seed=seed)
+                                      name=f"psgd.{digest}", seed=seed,
+                                      check_replicas_every=check_replicas_every or 0)
+        resolve_compression(compression)  # an unknown codec fails here, before any collective
         self._codec_template = compression
         self._comm = communicator if communicator is not None and not isinstance(communicator, str) \
             else default_communicator(communicator)
@@ -285,24 +263,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return [i for i, p in enumerate(self._params) if p.requires_grad]
 
     def _checked_grad(self, index: int, p: torch.Tensor) -> torch.Tensor:
-        grad, name = p.grad, self._named[index][0]
-        if grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise ValueError(f"parameter '{name}' has a sparse gradient: pass sparse_as_dense=True to "
-                                 "DistributedOptimizer (or use a dense embedding)")
-            grad = grad.to_dense()
-        if not grad.is_floating_point():
-            raise TypeError(f"parameter '{name}' has a {grad.dtype} gradient: only floating-point gradients "
-                            "can be averaged")
-        if grad.device != p.device:
-            raise ValueError(f"parameter '{name}' is on {p.device} but its gradient is on {grad.device}: keep "
-                             "gradients on their parameter's device")
-        return grad
+        return checks.checked_grad(self._named[index][0], p, self.sparse_as_dense)
 
     def _gradient_ready(self, index: int, p: torch.Tensor) -> None:
         if p.grad is None:
             return
         if not self._engine.step_open:
+            if self._synchronized:
+                # The last synchronized step was never applied: GradScaler.step() skips
+                # optimizer.step() when the (identical on every rank) gradient is not finite.
+                self._synchronized, self._apply_pending = False, False
             self._engine.begin_step(self._active())
         passes = self._passes[index] + 1
         if passes > self.backward_passes_per_step:
@@ -320,6 +290,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._synchronized:
             return
         engine = self._engine
+        if engine.replica_check_due():  # weights after the previous step's update, on every rank
+            engine.check_replicas([(name, TORCH_OPS.to_numpy(p.detach().cpu())) for name, p in self._named])
         if not engine.step_open:
             manual = [i for i in self._active() if self._params[i].grad is not None]
             if not manual:
@@ -382,15 +354,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._apply_pending = False
         return self._optimizer.step(closure)
 
-    def flush(self) -> int:
-        """Apply every gradient still in flight (call once training ends); returns how many steps.
+    def flush(self, check_steps: bool = True) -> int:
+        """Apply every gradient still in flight (call once training ends, on every rank); returns
+        how many steps. Collective: first checks that every rank ran the same number of steps.
         With a grad_scaler, gradients are unscaled here and a non-finite one is skipped."""
+        in_flight = self._engine.flush(check_steps=check_steps)  # checks the ranks agree before it waits
         applied_count = 0
         if self._apply_pending:
             self._optimizer.step()
             self._apply_pending, self._synchronized = False, False
             applied_count += 1
-        for applied in self._engine.flush():
+        for applied in in_flight:
             self._write_grads(applied, unscale=self._grad_scaler is not None)
             if self._grad_scaler is None or all(torch.isfinite(p.grad).all() for p in self._params if p.grad is not None):
                 self._optimizer.step()
@@ -453,11 +427,16 @@ def _flush_at_exit(ref: "weakref.ref[DistributedOptimizer]") -> None:
     opt = ref()
     if opt is None:
         return
-    if opt._engine.in_flight or opt._apply_pending:
-        try:
-            count = opt.flush()
+    engine = opt._engine
+    if engine.failure is None and (engine.in_flight or opt._apply_pending):
+        try:  # no step-count check: other ranks may be gone already
+            count = opt.flush(check_steps=False)
             warnings.warn(f"pipesgd_hvd: applied {count} in-flight step(s) at exit; call optimizer.flush() "
                           "when training ends, before saving the model")
         except Exception as exc:  # the transport may already be gone at exit
             warnings.warn(f"pipesgd_hvd: could not apply in-flight gradients at exit: {exc}")
-    opt._engine.close()
+    if engine.failure is not None:
+        # Nothing can be applied consistently; make sure the transport's own shutdown (run after
+        # this handler: Horovod registered its handler earlier) cannot keep the process alive.
+        exit_if_stuck(f"the pipeline stopped at {type(engine.failure).__name__}")
+    engine.close()

@@ -1,5 +1,8 @@
 """Checkpoint mid-pipeline, restore in fresh processes, continue: same weights as an uninterrupted run.
 
+The checkpoint holds the in-flight (already reduced) gradient and, with int8/int4, each rank's
+error-feedback residuals, so each rank saves and restores its own file.
+
 Usage: torch_checkpoint.py DIR COMPRESSION TOTAL_STEPS SAVE_AT MODE, MODE one of
   full    train TOTAL_STEPS uninterrupted, write each rank's final weights to DIR/full.<rank>.pt
   part1   train SAVE_AT steps, write model + optimizer state_dict to DIR/ckpt.<rank>.pt, exit
@@ -40,6 +43,9 @@ for t in range(start, stop):
 if mode == "part1":
     state = opt.state_dict()
     assert len(state["pipesgd"]["in_flight"]) == 1, "width 2 keeps one step in flight"
+    if compression in ("int8", "int4"):  # error feedback: this rank's residuals travel with the checkpoint
+        residuals = state["pipesgd"]["codec"]["residuals"]
+        assert residuals and all(bool(r.any()) for r in residuals.values()), "no error-feedback residual saved"
     torch.save({"model": model.state_dict(), "optimizer": state}, f"{directory}/ckpt.{rank}.pt")
     passed("saved")
 elif mode == "full":
