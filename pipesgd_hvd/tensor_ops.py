@@ -40,6 +40,17 @@ class TensorOps(Protocol):
     def sum(self, x: Tensor, axis: int, keepdims: bool = False) -> Tensor: ...
     def abs(self, x: Tensor) -> Tensor: ...
     def amax(self, x: Tensor, axis: int) -> Tensor: ...
+    def amax_abs(self, x: Tensor, axis: int) -> Tensor:
+        """``max(|x|)`` along ``axis``, NaN if a NaN is there."""
+    def to_levels(self, x: Tensor, divisor: Tensor, levels: float, offset: float,
+                  noise: Optional[Tensor] = None) -> Tensor:
+        """Quantizer codes: ``clip(round(x / divisor * levels) + offset, offset - levels, offset + levels)``
+        (``floor(... + noise)`` instead of ``round`` when ``noise`` is given); ``divisor`` broadcasts.
+        Fused because each pass over a large bucket costs as much as sending it on a fast link."""
+    def from_levels(self, codes: Tensor, scale: Tensor, levels: float, offset: float) -> Tensor:
+        """Inverse of :meth:`to_levels`: float32 ``(codes - offset) / levels * scale`` (``scale`` broadcasts)."""
+    def finite_or_zero(self, x: Tensor) -> Tensor:
+        """``x`` with every NaN and +-inf replaced by 0. May overwrite ``x``: pass a temporary."""
     def round(self, x: Tensor) -> Tensor:
         """Round half to even (the IEEE default; all three frameworks agree)."""
     def floor(self, x: Tensor) -> Tensor: ...

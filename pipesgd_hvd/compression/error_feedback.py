@@ -35,7 +35,7 @@ class ErrorFeedback(Codec):
         corrected = x + ops.read(held) if held is not None else x
         payload, ctx = self.codec.encode(ops, corrected, key=key, seed=seed)
         error = corrected - self.codec.decode(ops, payload, ctx)
-        error = ops.where(ops.isfinite(error), error, 0.0)
+        error = ops.finite_or_zero(error)
         if held is None:
             self._residuals[key] = ops.new_state(error)
         else:

@@ -67,6 +67,31 @@ class NumpyOps:
     def amax(self, x: np.ndarray, axis: int) -> np.ndarray:
         return np.max(x, axis=axis)
 
+    def amax_abs(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.max(np.abs(x), axis=axis)
+
+    def to_levels(self, x: np.ndarray, divisor: np.ndarray, levels: float, offset: float,
+                  noise: Optional[np.ndarray] = None) -> np.ndarray:
+        y = x / divisor
+        y *= np.float32(levels)
+        if noise is None:
+            np.round(y, out=y)
+        else:
+            y += noise
+            np.floor(y, out=y)
+        y += np.float32(offset)
+        return np.clip(y, offset - levels, offset + levels, out=y)
+
+    def from_levels(self, codes: np.ndarray, scale: np.ndarray, levels: float, offset: float) -> np.ndarray:
+        y = codes.astype(np.float32)
+        y -= np.float32(offset)
+        y /= np.float32(levels)
+        y *= scale
+        return y
+
+    def finite_or_zero(self, x: np.ndarray) -> np.ndarray:
+        return np.where(np.isfinite(x), x, np.zeros((), x.dtype))
+
     def round(self, x: np.ndarray) -> np.ndarray:
         return np.round(x)
 

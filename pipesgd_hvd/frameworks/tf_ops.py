@@ -67,6 +67,20 @@ class TensorFlowOps:
     def amax(self, x: Any, axis: int) -> tf.Tensor:
         return tf.reduce_max(x, axis=axis)
 
+    def amax_abs(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.reduce_max(tf.abs(x), axis=axis)
+
+    def to_levels(self, x: Any, divisor: Any, levels: float, offset: float, noise: Optional[Any] = None) -> tf.Tensor:
+        y = x / divisor * levels
+        y = tf.round(y) if noise is None else tf.floor(y + noise)
+        return tf.clip_by_value(y + offset, offset - levels, offset + levels)
+
+    def from_levels(self, codes: Any, scale: Any, levels: float, offset: float) -> tf.Tensor:
+        return (tf.cast(codes, tf.float32) - offset) / levels * scale
+
+    def finite_or_zero(self, x: Any) -> tf.Tensor:
+        return tf.where(tf.math.is_finite(x), x, tf.zeros((), x.dtype))
+
     def round(self, x: Any) -> tf.Tensor:
         return tf.round(x)  # banker's rounding, like numpy and torch
 
