@@ -15,5 +15,10 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
+# The speed-up on an emulated cluster (network namespaces, shaped links; needs root): writes the
+# "throughput" section of docs/benchmarks.md and docs/img/throughput.png.
+bench: install
+	$(PY) -m benchmarks.throughput
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""An emulated cluster on one machine: hosts as network namespaces with shaped links."""

@@ -1,0 +1,70 @@
+"""The emulated cluster (benchmarks/cluster): hosts reach each other over shaped links, ranks start
+one per host, and tear-down leaves no namespace behind, also after a failure or a signal."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.cluster.netns import Cluster, leftover_namespaces
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                reason="needs root and iproute2 (ip netns, tc) to create network namespaces")
+
+
+def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
+    with Cluster(2, rate="200mbit") as cluster:
+        prefix = cluster.prefix
+        assert sorted(leftover_namespaces(prefix)) == sorted([cluster.switch, cluster.namespace(0), cluster.namespace(1)])
+        # 2 MB from host 1 to host 0 at 200 Mbit/s takes >= 80 ms: the link is shaped, not loopback.
+        server = subprocess.Popen(cluster.exec(0, [sys.executable, "-c", (
+            "import socket; s = socket.socket(); s.bind(('198.18.0.1', 18600)); s.listen(); c, _ = s.accept(); "
+            "n = 0\nwhile True:\n d = c.recv(1 << 16)\n if not d: break\n n += len(d)\nprint(n)")]),
+            stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        start = time.perf_counter()
+        subprocess.run(cluster.exec(1, [sys.executable, "-c", (
+            "import socket; c = socket.create_connection(('198.18.0.1', 18600)); c.sendall(b'x' * 2_000_000); "
+            "c.close()")]), check=True, timeout=30)
+        received = server.communicate(timeout=30)[0]
+        elapsed = time.perf_counter() - start
+        assert int(received) == 2_000_000
+        assert elapsed >= 0.06, f"2 MB took {elapsed:.3f} s: faster than a 200 Mbit/s link allows"
+        assert subprocess.run(cluster.exec(1, ["hostname"]), capture_output=True, text=True).stdout.strip() \
+            == "198.18.0.2"
+    assert leftover_namespaces(prefix) == []
+
+
+def test_horovod_ranks_start_one_per_host():
+    from benchmarks.cluster.launch import run
+
+    script = ("import socket, horovod.torch as hvd, torch; hvd.init(); "
+              "t = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), op=hvd.Sum); "
+              "print('RANK', hvd.rank(), socket.gethostname(), float(t[0]), flush=True)")
+    with Cluster(2) as cluster:
+        prefix = cluster.prefix
+        out = run(cluster, [sys.executable, "-c", script], env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RANK 0 198.18.0.1 3.0" in out.stdout and "RANK 1 198.18.0.2 3.0" in out.stdout, out.stdout
+    assert leftover_namespaces(prefix) == []
+
+
+def test_tear_down_after_an_error_and_after_sigterm():
+    with pytest.raises(RuntimeError):
+        with Cluster(2) as cluster:
+            prefix = cluster.prefix
+            raise RuntimeError("the benchmark failed")
+    assert leftover_namespaces(prefix) == []
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from benchmarks.cluster.netns import Cluster\n"
+        "with Cluster(2, prefix='psgdterm') as c:\n print('UP', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert holder.stdout.readline().strip() == "UP"
+    assert leftover_namespaces("psgdterm"), "the cluster is up"
+    holder.send_signal(signal.SIGTERM)
+    holder.wait(timeout=30)
+    assert leftover_namespaces("psgdterm") == []
