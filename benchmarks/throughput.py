@@ -2,13 +2,13 @@
 
     python -m benchmarks.throughput            (as root; `make bench` runs it)
 
-For each link rate (chosen so that communication is about 0.25x, 1x and 4x the compute of a
-step), one launch of 2 ranks, one per host (``benchmarks/cluster``), runs side by side,
+For each link rate and batch (chosen so that communication is about 0.25x, 1x and 4x the
+compute of a step), one launch of 2 ranks, one per host (``benchmarks/cluster``), runs side by side,
 interleaved in rounds: compute alone (no communication), the all-reduce alone (float32, and our
 compressed all-reduce per codec), Horovod's own ``DistributedOptimizer`` (what users have today),
 and pipesgd_hvd width 1, width 2, and width 2 with fp16 / bf16 / truncate16 / int8 (error
 feedback). Then one launch on 4 hosts. The model is 4 Linear(1280, 1280) layers (26 MB of float32
-gradient); batch 320 on one thread per rank. Per configuration: the median step time (slowest
+gradient), one thread per rank. Per configuration: the median step time (slowest
 rank), the speed-up over Horovod, the efficiency against the bound max(compute, communication)
 (both measured in the same launch), and the timing model's prediction (pipesgd_hvd.timing) from
 the measured compute, link and codec costs. Writes the "throughput" section of
@@ -91,6 +91,21 @@ def _worker(args: argparse.Namespace) -> None:
                                  key="bench", seed=calls[0])
         return run
 
+    # The two phases of our compressed all-reduce for int8, alone: alltoall of the encoded bucket
+    # and allgather of one encoded chunk (uint8), to compare with the link rate.
+    int8_row = -(-grad_numel // hvd.size() // 512) * 516
+    a2a_buf = torch.zeros(hvd.size(), int8_row, dtype=torch.uint8)
+    ag_buf = torch.zeros(1, int8_row, dtype=torch.uint8)
+
+    def phase(kind: str) -> Callable[[], None]:
+        def run() -> None:
+            calls[0] += 1
+            if kind == "alltoall":
+                hvd.alltoall(a2a_buf, name=f"bench.a2a.{calls[0]}")
+            else:
+                hvd.allgather(ag_buf, name=f"bench.ag.{calls[0]}")
+        return run
+
     def codec_roundtrip(name: str) -> Callable[[], None]:
         """One encode + decode of the whole gradient on this rank (the codec's cost)."""
         codec = resolve_compression(name)
@@ -102,7 +117,20 @@ def _worker(args: argparse.Namespace) -> None:
             codec.decode(TORCH_OPS, payload, ctx)
         return run
 
-    keys = ["compute", *TRAINING, "comm-none", *[f"comm-{c}" for c in CODECS], *[f"codec-{c}" for c in CODECS]]
+    def compute_beside_allreduce() -> None:
+        """Compute steps, each with a float32 all-reduce of the gradient's size started just before
+        (Horovod's background thread runs it): how much communication (copies, the TCP stack,
+        Horovod's thread) slows compute on the shared core. One collective per step, so both
+        ranks issue the same ones."""
+        model, opt = runs["compute"]["model"], runs["compute"]["opt"]
+        for _ in range(args.steps):
+            calls[0] += 1
+            handle = hvd.allreduce_async_(flat.clone(), name=f"bench.beside.{calls[0]}", op=hvd.Average)
+            samples["compute-beside-comm"].append(timed(lambda: step(model, opt)))
+            hvd.synchronize(handle)
+
+    keys = ["compute", "compute-beside-comm", *TRAINING, "comm-none", *[f"comm-{c}" for c in CODECS],
+            *[f"codec-{c}" for c in CODECS], "int8-alltoall", "int8-allgather"]
     samples: Dict[str, List[float]] = {k: [] for k in keys}
 
     def timed(fn: Callable[[], None]) -> float:
@@ -119,17 +147,21 @@ def _worker(args: argparse.Namespace) -> None:
             if hasattr(opt, "flush"):
                 opt.flush()  # nothing of this configuration stays on the wire during the next one
             hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{key}.{len(samples[key])}")
+        # Both ranks must run the same collectives: the other rank's loop thread answers ours.
+        compute_beside_allreduce()
         for _ in range(args.comm_reps):
             samples["comm-none"].append(timed(allreduce_fp32))
             for c in CODECS:
                 samples[f"comm-{c}"].append(timed(compressed(c)))
                 samples[f"codec-{c}"].append(timed(codec_roundtrip(c)))
+            samples["int8-alltoall"].append(timed(phase("alltoall")))
+            samples["int8-allgather"].append(timed(phase("allgather")))
 
     medians = {k: statistics.median(v) for k, v in samples.items() if v}
     everyone = hvd.allgather_object(medians, name="bench.medians")
     slowest = {k: max(m[k] for m in everyone) for k in medians}
     if hvd.rank() == 0:
-        result = {"ranks": hvd.size(), "grad_bytes": grad_numel * 4, "median_s": slowest,
+        result = {"ranks": hvd.size(), "grad_bytes": grad_numel * 4, "median_s": slowest, "int8_row": int8_row,
                   "wire_ratio": {k: runs[k]["opt"].stats.ratio for k in TRAINING if k != "horovod"}}
         sys.stdout.write(MARKER + json.dumps(result) + "\n")
         sys.stdout.flush()
@@ -140,20 +172,19 @@ def _worker(args: argparse.Namespace) -> None:
 class Setting:
     hosts: int
     rate: str
+    batch: int
     label: str
 
 
 def _launch(setting: Setting, args: argparse.Namespace) -> Dict[str, Any]:
-    from benchmarks.cluster.launch import run
+    # Horovod's Gloo controller, not MPI: see benchmarks/cluster/gloo.py for the measurement
+    # (Open MPI's TCP transport slowed 2x beside compute on this 2-core machine; Gloo did not).
+    from benchmarks.cluster.gloo import run
     from benchmarks.cluster.netns import Cluster
 
-    env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
-           # Horovod asks MPI for MPI_THREAD_MULTIPLE by default; Open MPI's TCP transport is then
-           # slower (measured here: a 26 MB all-reduce at 1 Gbit took 380 ms instead of 285 ms).
-           # Only Horovod's background thread calls MPI in this benchmark, so it is safe.
-           "HOROVOD_MPI_THREADS_DISABLE": "1"}
+    env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "benchmarks.throughput", "--worker", "--rounds", str(args.rounds),
-           "--steps", str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(args.batch),
+           "--steps", str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch),
            "--dim", str(args.dim), "--layers", str(args.layers)]
     start = time.perf_counter()
     with Cluster(setting.hosts, rate=setting.rate) as cluster:
@@ -175,13 +206,23 @@ def predictions(res: Dict[str, Any]) -> Dict[str, float]:
 
     m, n, nbytes = res["median_s"], res["ranks"], res["grad_bytes"]
     link = link_from_allreduce(n, nbytes, m["comm-none"])
+    f = interference(m)
     out = {k: sync_iteration_time(m["compute"], m["comm-none"]) for k in ("horovod", "w1")}
-    out["w2"] = pipelined_iteration_time(m["compute"], m["comm-none"])
+    out["w2"] = pipelined_iteration_time(m["compute"], m["comm-none"], f)
     for c in CODECS:
         # The model's codec term is (N-1)/N M c for the whole round trip; fit c from ours.
         codec = dataclasses.replace(MODEL_CODECS[c], cost_per_byte=m[f"codec-{c}"] * n / ((n - 1) * nbytes))
-        out[f"w2-{c}"] = pipelined_iteration_time(m["compute"], compressed_allreduce_time(n, nbytes, link, codec))
+        out[f"w2-{c}"] = pipelined_iteration_time(m["compute"], compressed_allreduce_time(n, nbytes, link, codec), f)
     return out
+
+
+def interference(m: Dict[str, float]) -> float:
+    """The timing model's f: compute runs 1+f times slower while an all-reduce runs beside it.
+    A step with one all-reduce beside it overlaps it for min(all-reduce, step) seconds, of which
+    f/(1+f) is the delay: f/(1+f) = (beside - alone) / min(all-reduce, beside)."""
+    delay = max(0.0, m["compute-beside-comm"] - m["compute"])
+    share = min(0.99, delay / max(min(m["comm-none"], m["compute-beside-comm"]), 1e-9))
+    return share / (1.0 - share)
 
 
 def bound(res: Dict[str, Any], key: str) -> float:
@@ -203,15 +244,23 @@ def _table(setting: Setting, res: Dict[str, Any]) -> str:
         rows.append([LABELS[key], f"{t * 1e3:.0f}", f"{m['horovod'] / t:.2f}x", f"{bound(res, key) * 1e3:.0f}",
                      f"{bound(res, key) / t:.0%}", f"{pred[key] * 1e3:.0f}", f"{t / pred[key]:.2f}",
                      f"{res['wire_ratio'].get(key, 1.0):.3f}"])
-    head = (f"**{setting.hosts} hosts, {setting.rate} links** ({setting.label}): compute alone "
+    head = (f"**{setting.hosts} hosts, {setting.rate} links, batch {setting.batch}** ({setting.label}): compute alone "
             f"{m['compute'] * 1e3:.0f} ms, float32 all-reduce alone {m['comm-none'] * 1e3:.0f} ms "
             f"(comm/compute {m['comm-none'] / m['compute']:.2f}); compressed all-reduce alone: "
             + ", ".join(f"{c} {m[f'comm-{c}'] * 1e3:.0f} ms" for c in CODECS)
             + "; encode + decode of the whole gradient on one rank: "
             + ", ".join(f"{c} {m[f'codec-{c}'] * 1e3:.0f} ms" for c in CODECS) + ".")
     hidden = (m["compute"] + m["comm-none"] - m["horovod"]) / m["comm-none"]
+    n, row = res["ranks"], res["int8_row"]
+    # Bytes each rank sends: alltoall (N-1) rows, allgather (N-1) rows (one row each to N-1 peers,
+    # as a ring does); the float32 all-reduce 2 (N-1)/N of the gradient.
+    rate = {"float32 all-reduce": 2 * (n - 1) / n * res["grad_bytes"] / m["comm-none"],
+            "int8 alltoall": (n - 1) * row / m["int8-alltoall"], "int8 allgather": (n - 1) * row / m["int8-allgather"]}
     tail = (f"Horovod's synchronous optimizer hid {hidden:.0%} of the all-reduce behind the backward pass "
-            f"(compute + all-reduce - its step, over the all-reduce).")
+            f"(compute + all-reduce - its step, over the all-reduce). Compute with an all-reduce beside it: "
+            f"{m['compute-beside-comm'] * 1e3:.0f} ms, so interference f = {interference(m):.2f} (used by the "
+            f"model's pipelined rows). Bytes sent per rank per second: "
+            + ", ".join(f"{k} {v * 8 / 1e6:.0f} Mbit/s" for k, v in rate.items()) + f" (link {setting.rate}).")
     return head + "\n\n" + table(["configuration", "step ms", "speed-up vs Horovod", "bound ms", "efficiency "
                                   "(bound / step)", "model ms", "step / model", "wire bytes vs fp32"], rows) + \
         "\n\n" + tail
@@ -247,11 +296,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
     parser.add_argument("--comm-reps", type=int, default=2, help="all-reduce timings per round")
-    parser.add_argument("--batch", type=int, default=320)
+    parser.add_argument("--batch", type=int, default=320, help="(worker) batch per rank")
     parser.add_argument("--dim", type=int, default=1280)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rates", nargs="+", default=["10gbit", "2gbit", "500mbit"])
-    parser.add_argument("--four-host-rate", default="2gbit", help="'' skips the 4-host launch")
+    # RATE:BATCH per 2-host launch, chosen so that communication is ~0.25x, ~1x and ~4x compute
+    # here (the table reports the ratio each launch measured).
+    parser.add_argument("--settings", nargs="+", default=["10gbit:1280", "2gbit:480", "700mbit:320"])
+    parser.add_argument("--four-hosts", default="2gbit:480", help="RATE:BATCH of the 4-host launch ('' skips it)")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)
@@ -261,10 +312,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     from benchmarks.cluster.netns import leftover_namespaces
     from benchmarks.report import machine_line, write_section
 
-    names = {0: "comm ~0.25x compute", 1: "comm ~1x compute", 2: "comm ~4x compute"}
-    settings = [Setting(2, rate, names.get(i, "")) for i, rate in enumerate(args.rates)]
-    if args.four_host_rate:
-        settings.append(Setting(4, args.four_host_rate, "4 ranks on 2 cores: oversubscribed"))
+    names = {0: "aimed at comm ~0.25x compute", 1: "aimed at comm ~1x compute", 2: "aimed at comm ~4x compute"}
+    settings = []
+    for i, spec in enumerate(args.settings):
+        rate, batch = spec.split(":")
+        settings.append(Setting(2, rate, int(batch), names.get(i, "")))
+    if args.four_hosts:
+        rate, batch = args.four_hosts.split(":")
+        settings.append(Setting(4, rate, int(batch), "4 ranks on 2 cores: oversubscribed"))
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     results = [_launch(s, args) for s in settings]
@@ -275,9 +330,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     text = f"""## Throughput on the emulated cluster (`benchmarks/throughput.py`, `make bench`)
 
 {machine_line()}. One launch per row block, ranks one per host (network namespaces, `tc tbf`
-links, `mpirun` with Horovod's MPI controller; see `benchmarks/cluster/`). Model: {args.layers} x
-Linear({args.dim}, {args.dim}) (26 MB of float32 gradient), batch {args.batch}, one thread per
-rank. Configurations interleaved in {args.rounds} rounds of {args.steps} timed steps (after one
+links, Horovod's Gloo controller with our rendezvous server; see `benchmarks/cluster/`). Model: {args.layers} x
+Linear({args.dim}, {args.dim}) (26 MB of float32 gradient), one thread per rank; the batch per
+rank sets the compute time (given per launch). Configurations interleaved in {args.rounds} rounds of {args.steps} timed steps (after one
 untimed step; pipelines flushed between segments); medians, slowest rank. Bound = max(compute,
 communication) for pipelined rows (communication = that codec's all-reduce alone), compute +
 all-reduce for synchronous ones. Model = `pipesgd_hvd.timing` from this launch's compute time,
