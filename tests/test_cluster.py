@@ -38,17 +38,21 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
     assert leftover_namespaces(prefix) == []
 
 
-def test_horovod_ranks_start_one_per_host():
-    from benchmarks.cluster.launch import run
+@pytest.mark.parametrize("controller", ["mpi", "gloo"])
+def test_horovod_ranks_start_one_per_host(controller):
+    from benchmarks.cluster import gloo, launch
 
     script = ("import socket, horovod.torch as hvd, torch; hvd.init(); "
               "t = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), op=hvd.Sum); "
-              "print('RANK', hvd.rank(), socket.gethostname(), float(t[0]), flush=True)")
+              "names = hvd.allgather_object(socket.gethostname()); "
+              "print('RANK', hvd.rank(), socket.gethostname(), float(t[0]), names, flush=True)")
     with Cluster(2) as cluster:
         prefix = cluster.prefix
-        out = run(cluster, [sys.executable, "-c", script], env={"OMP_NUM_THREADS": "1"}, timeout=120)
+        out = (launch if controller == "mpi" else gloo).run(cluster, [sys.executable, "-c", script],
+                                                            env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "RANK 0 198.18.0.1 3.0" in out.stdout and "RANK 1 198.18.0.2 3.0" in out.stdout, out.stdout
+    # (the Gloo launcher returns rank 0's output; mpirun's holds every rank's)
+    assert "RANK 0 198.18.0.1 3.0 ['198.18.0.1', '198.18.0.2']" in out.stdout, out.stdout
     assert leftover_namespaces(prefix) == []
 
 
