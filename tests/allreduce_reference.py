@@ -1,6 +1,6 @@
 """The decoded-sum reference of the compressed all-reduce, in plain numpy calls of the codec:
 encode each rank's N chunks, decode, sum in float32 in rank order, average, encode, decode."""
-from typing import List
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -8,9 +8,14 @@ from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS as ops
 
 
-def decoded_sum_reference(name: str, inputs: List[np.ndarray]) -> np.ndarray:
+def decoded_sum_reference(name: str, inputs: List[np.ndarray], residuals: Optional[Dict[str, Any]] = None) -> np.ndarray:
+    """``residuals``: a dict kept across steps; error feedback is then done here, by hand, around
+    the codec inside ``name`` (add the residual, encode, keep what decoding loses), so a test of
+    several steps checks the library's error feedback instead of reusing it."""
     size, n = len(inputs), inputs[0].size
     codec = resolve_compression(name)  # a fresh codec: error feedback starts at zero
+    if residuals is not None:
+        codec = _HandMadeErrorFeedback(getattr(codec, "codec", codec), residuals)
     cols = codec.padded_cols(-(-n // size))
     rows = [np.concatenate([x, np.zeros(size * cols - n, np.float32)]).reshape(size, cols) for x in inputs]
     out = []
@@ -26,3 +31,21 @@ def decoded_sum_reference(name: str, inputs: List[np.ndarray]) -> np.ndarray:
         payload, ctx = codec.encode(ops, total.reshape(1, -1), key=f"red{owner}", seed=0)
         out.append(codec.decode(ops, payload, ctx)[0])
     return np.concatenate(out)[:n]
+
+
+class _HandMadeErrorFeedback:
+    def __init__(self, inner: Any, residuals: Dict[str, Any]) -> None:
+        self.inner, self.residuals = inner, residuals
+
+    def padded_cols(self, cols: int) -> int:
+        return self.inner.padded_cols(cols)
+
+    def encode(self, ops: Any, x: np.ndarray, *, key: str, seed: Any) -> Tuple[np.ndarray, Any]:
+        corrected = x + self.residuals.get(key, np.zeros_like(x))
+        payload, ctx = self.inner.encode(ops, corrected, key=key, seed=seed)
+        error = corrected - self.inner.decode(ops, payload, ctx)
+        self.residuals[key] = np.where(np.isfinite(error), error, np.float32(0))
+        return payload, ctx
+
+    def decode(self, ops: Any, payload: np.ndarray, ctx: Any) -> np.ndarray:
+        return self.inner.decode(ops, payload, ctx)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 import horovod.tensorflow as hvd
 import keras
@@ -81,3 +81,35 @@ def assert_replicas_identical(model: keras.Model, what: str) -> None:
 
 def passed(name: str) -> None:
     print(f"PASS rank{hvd.rank()} {name}", flush=True)
+
+
+def reference_weights_compressed(make_optimizer, steps: int, size: int, name: str, width: int = 2) -> List[np.ndarray]:
+    """Width ``width`` with a byte codec: each step's gradients, flattened as the pipeline fuses
+    them (one bucket, variables in reverse order), reduced by the decoded-sum reference (one
+    codec kept across steps, so error feedback carries over), applied ``width - 1`` steps late."""
+    from allreduce_reference import decoded_sum_reference
+
+    model, opt = make_model(), make_optimizer()
+    variables = model.trainable_variables
+    order = list(range(len(variables)))[::-1]
+    data = [rank_data(r, steps) for r in range(size)]
+    residuals: dict = {}  # error feedback, done by the reference itself
+    pending: List[List[tf.Tensor]] = []
+    for t in range(steps):
+        flats = []
+        for x, y in data:
+            with tf.GradientTape() as tape:
+                loss = LOSS(y[t * BATCH:(t + 1) * BATCH], model(x[t * BATCH:(t + 1) * BATCH]))
+            grads = tape.gradient(loss, variables)
+            flats.append(np.concatenate([grads[i].numpy().ravel() for i in order]))
+        reduced = decoded_sum_reference(name, flats, residuals)
+        mean: List[Any] = [None] * len(variables)
+        offset = 0
+        for i in order:
+            n = int(np.prod(variables[i].shape))
+            mean[i] = tf.constant(reduced[offset:offset + n].reshape(variables[i].shape))
+            offset += n
+        pending.append(mean)
+        if len(pending) == width:
+            opt.apply(pending.pop(0), variables)
+    return [v.numpy() for v in variables]
