@@ -36,9 +36,9 @@ def make_model(seed: int) -> keras.Model:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["1:none", "2:none", "2:int8"], help="WIDTH:COMPRESSION ...")
-    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by the number of ranks")
+    parser.add_argument("--lr", type=float, default=0.02, help="per rank; scaled by the number of ranks")
     args = parser.parse_args()
 
     hvd.init()

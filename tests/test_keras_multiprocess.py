@@ -52,6 +52,21 @@ def test_keras_models_that_differ_across_ranks_raise_on_every_rank():
         assert "(12, 33)" in found.group(1) or "(12, 32)" in found.group(1), found.group(1)
 
 
+def test_keras_sparse_embedding_gradients_are_reduced_dense():
+    _assert_passed(run_ranks("mp/keras_reliability.py", "sparse"), ["keras-sparse-embedding"])
+
+
 def test_keras_nonfinite_gradients_leave_replicas_equal():
     _assert_passed(run_ranks("mp/keras_reliability.py", "nonfinite"),
                    ["keras-nonfinite-int8", "keras-nonfinite-bf16", "keras-nonfinite-none"])
+
+
+def test_keras_digits_width_1_and_2_reach_95_percent_within_a_point():
+    import re
+
+    out = run_ranks("../examples/keras_digits.py", "--configs", "1:none", "2:none", timeout=400)
+    found = dict(re.findall(r"width=(\d) none\s+([0-9.]+)", out))
+    assert set(found) == {"1", "2"}, out[-3000:]
+    sync, pipelined = float(found["1"]), float(found["2"])
+    assert sync >= 0.95 and pipelined >= 0.95, found
+    assert abs(sync - pipelined) <= 0.01, found

@@ -71,6 +71,21 @@ elif case == "mismatch":
         print(f"RAISED rank{rank}: {e}", flush=True)
         sys.exit(1)
 
+elif case == "sparse":
+    # An Embedding's gradient is tf.IndexedSlices: reduced dense, as Horovod's sparse_as_dense.
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(50, 8),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+    opt = psgd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="int8")
+    model.compile(optimizer=opt, loss=LOSS)
+    rng = np.random.default_rng(rank)
+    ids, labels = rng.integers(0, 50, (64, 4)), rng.integers(0, 3, 64)
+    before = model.layers[0].embeddings.numpy().copy()
+    model.fit(ids, labels, batch_size=16, shuffle=False, verbose=0)
+    assert not np.array_equal(before, model.layers[0].embeddings.numpy()), "the embedding trained"
+    assert_replicas_identical(model, "sparse")
+    passed("keras-sparse-embedding")
+
 elif case == "nonfinite":
     # Rank 1's gradient turns non-finite at step 3: the policy (int8: the whole 512-value block
     # becomes NaN; casts: element-wise) is applied to the bytes both ranks decode, so both ranks
