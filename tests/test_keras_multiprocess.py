@@ -39,13 +39,13 @@ def test_keras_checkpoint_mid_pipeline_restores_bitwise_in_fresh_processes(tmp_p
 
 
 def test_keras_bad_arguments_get_errors_that_name_the_problem():
-    _assert_passed(run_ranks("mp/keras_reliability.py", "arguments"), ["keras-bad-arguments"])
+    _assert_passed(run_ranks("mp/keras_reliability.py", "arguments", timeout=300), ["keras-bad-arguments"])
 
 
 def test_keras_models_that_differ_across_ranks_raise_on_every_rank():
     import re
 
-    out = run_ranks("mp/keras_reliability.py", "mismatch", expect_failure=True, timeout=120)
+    out = run_ranks("mp/keras_reliability.py", "mismatch", expect_failure=True, timeout=300)
     for rank in (0, 1):
         found = re.search(rf"RAISED rank{rank}: (.*?differ across ranks.*)", out)
         assert found is not None, out[-3000:]
@@ -53,11 +53,11 @@ def test_keras_models_that_differ_across_ranks_raise_on_every_rank():
 
 
 def test_keras_sparse_embedding_gradients_are_reduced_dense():
-    _assert_passed(run_ranks("mp/keras_reliability.py", "sparse"), ["keras-sparse-embedding"])
+    _assert_passed(run_ranks("mp/keras_reliability.py", "sparse", timeout=300), ["keras-sparse-embedding"])
 
 
 def test_keras_nonfinite_gradients_leave_replicas_equal():
-    _assert_passed(run_ranks("mp/keras_reliability.py", "nonfinite"),
+    _assert_passed(run_ranks("mp/keras_reliability.py", "nonfinite", timeout=300),
                    ["keras-nonfinite-int8", "keras-nonfinite-bf16", "keras-nonfinite-none"])
 
 

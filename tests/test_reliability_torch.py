@@ -518,7 +518,9 @@ def test_mp_killed_peer_is_reported_by_the_survivor():
     assert _detection_seconds(out) < 5.0, out
     assert re.search(r"RAISED rank0 HorovodPeerLostError after [\d.]+ s: a peer was lost: Horovod shut down while "
                      r"(alltoall|allgather) 'psgd\.", out), out
-    assert "Process 0 exit with status code 1" in out, out
+    # The job fails (horovodrun names the first process that exited non-zero: rank 0 when its error
+    # ends it first, rank 1 when the launcher reaps the killed one first; both were seen here).
+    assert re.search(r"Process [01] exit with status code [1-9]", out), out
 
 
 @pytest.mark.multiprocess
