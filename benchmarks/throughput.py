@@ -30,9 +30,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8")
-TRAINING = ["horovod", "w1", "w2"] + [f"w2-{c}" for c in CODECS]
+TRAINING = ["horovod", "w1", "w2"] + [f"w2-{c}" for c in CODECS] + ["auto"]
 LABELS = {"horovod": "Horovod DistributedOptimizer (sync)", "w1": "pipesgd width 1", "w2": "pipesgd width 2",
-          **{f"w2-{c}": f"pipesgd width 2 + {c}{' (EF)' if c == 'int8' else ''}" for c in CODECS}}
+          **{f"w2-{c}": f"pipesgd width 2 + {c}{' (EF)' if c == 'int8' else ''}" for c in CODECS},
+          "auto": 'pipesgd width="auto", compression="auto"'}
 
 
 # ------------------------------------------------------------------------------------ worker
@@ -68,6 +69,10 @@ def _worker(args: argparse.Namespace) -> None:
             opt = inner
         elif key == "horovod":
             opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+        elif key == "auto":
+            # Decides after its first segment (measured at width 1), before the timed rounds.
+            opt = psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width="auto",
+                                            compression="auto", auto_measure_steps=args.steps, auto_recheck_every=0)
         else:
             width, _, codec = key[1:].partition("-")
             opt = psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width=int(width),
@@ -138,6 +143,11 @@ def _worker(args: argparse.Namespace) -> None:
         fn()
         return time.perf_counter() - start
 
+    # The auto configuration measures during its first steps: give it those before the rounds.
+    for _ in range(args.steps + 2):
+        step(runs["auto"]["model"], runs["auto"]["opt"])
+    runs["auto"]["opt"].flush()
+
     for _ in range(args.rounds):
         for key in ["compute", *TRAINING]:
             model, opt = runs[key]["model"], runs[key]["opt"]
@@ -161,7 +171,10 @@ def _worker(args: argparse.Namespace) -> None:
     everyone = hvd.allgather_object(medians, name="bench.medians")
     slowest = {k: max(m[k] for m in everyone) for k in medians}
     if hvd.rank() == 0:
+        decision = runs["auto"]["opt"].auto_decision
         result = {"ranks": hvd.size(), "grad_bytes": grad_numel * 4, "median_s": slowest, "int8_row": int8_row,
+                  "auto": {"width": decision.width, "compression": decision.compression,
+                           "describe": decision.describe()} if decision is not None else None,
                   "wire_ratio": {k: runs[k]["opt"].stats.ratio for k in TRAINING if k != "horovod"}}
         sys.stdout.write(MARKER + json.dumps(result) + "\n")
         sys.stdout.flush()
@@ -208,12 +221,23 @@ def predictions(res: Dict[str, Any]) -> Dict[str, float]:
     link = link_from_allreduce(n, nbytes, m["comm-none"])
     f = interference(m)
     out = {k: sync_iteration_time(m["compute"], m["comm-none"]) for k in ("horovod", "w1")}
+    auto = res.get("auto")
     out["w2"] = pipelined_iteration_time(m["compute"], m["comm-none"], f)
     for c in CODECS:
         # The model's codec term is (N-1)/N M c for the whole round trip; fit c from ours.
         codec = dataclasses.replace(MODEL_CODECS[c], cost_per_byte=m[f"codec-{c}"] * n / ((n - 1) * nbytes))
         out[f"w2-{c}"] = pipelined_iteration_time(m["compute"], compressed_allreduce_time(n, nbytes, link, codec), f)
+    out["auto"] = out.get(_auto_key(auto), float("nan")) if auto else float("nan")
     return out
+
+
+def _auto_key(auto: Optional[Dict[str, Any]]) -> str:
+    """The fixed configuration the auto mode chose, as a key of TRAINING."""
+    if not auto:
+        return ""
+    if auto["width"] == 1:
+        return "w1"
+    return "w2" if auto["compression"] == "none" else f"w2-{auto['compression']}"
 
 
 def interference(m: Dict[str, float]) -> float:
@@ -227,6 +251,10 @@ def interference(m: Dict[str, float]) -> float:
 
 def bound(res: Dict[str, Any], key: str) -> float:
     m = res["median_s"]
+    if key == "auto":
+        key = _auto_key(res.get("auto")) or "w1"
+        if key.startswith("w2-") and f"comm-{key[3:]}" not in m:  # a codec without its own row (int4)
+            return float("nan")
     comm = m["comm-none"] if key in ("horovod", "w1", "w2") else m[f"comm-{key[3:]}"]
     if key in ("horovod", "w1"):
         return m["compute"] + comm  # synchronous: nothing to hide behind (Horovod hides part, see text)
@@ -261,6 +289,12 @@ def _table(setting: Setting, res: Dict[str, Any]) -> str:
             f"{m['compute-beside-comm'] * 1e3:.0f} ms, so interference f = {interference(m):.2f} (used by the "
             f"model's pipelined rows). Bytes sent per rank per second: "
             + ", ".join(f"{k} {v * 8 / 1e6:.0f} Mbit/s" for k, v in rate.items()) + f" (link {setting.rate}).")
+    auto = res.get("auto")
+    if auto:
+        timed_rows = [k for k in TRAINING if k != "auto"]
+        fastest = min(timed_rows, key=lambda k: m[k])
+        tail += (f" The auto mode chose width={auto['width']} compression={auto['compression']} "
+                 f"({auto['describe']}); the fastest configuration measured in this launch: {LABELS[fastest]}.")
     return head + "\n\n" + table(["configuration", "step ms", "speed-up vs Horovod", "bound ms", "efficiency "
                                   "(bound / step)", "model ms", "step / model", "wire bytes vs fp32"], rows) + \
         "\n\n" + tail

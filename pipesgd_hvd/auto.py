@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from .timing import CODECS, LinkParams, compressed_allreduce_time, pipelined_iteration_time, \
     sync_iteration_time
@@ -80,3 +80,35 @@ def decide(m: Measurements, *, sync_fraction: float = 0.05,
     best = min(candidates, key=lambda n: predicted[n])
     return Decision(2, best, f"no codec hides communication under compute ({m.compute_s * 1e3:.1f} ms): "
                     f"the shortest predicted step", predicted)
+
+
+def decide_fixed(m: Measurements, *, width: Optional[int] = None, compression: Optional[str] = None,
+                 sync_fraction: float = 0.05, candidates: Sequence[str] = CANDIDATES) -> Decision:
+    """:func:`decide` when the user fixed one of the two (``None`` = chosen here).
+
+    * width fixed: the codec :func:`decide` picks (``none`` when it would stay synchronous);
+    * codec fixed (by name; one the model does not know counts as uncompressed, a conservative
+      guess): width 1 when that codec's all-reduce is under ``sync_fraction`` of compute, else 2.
+    """
+    if width is None and compression is None:
+        return decide(m, sync_fraction=sync_fraction, candidates=candidates)
+    if compression is None:
+        assert width is not None
+        d = decide(m, sync_fraction=sync_fraction, candidates=candidates)
+        return Decision(width, d.compression, f"width fixed at {width}; codec: {d.reason}", d.predicted_s)
+    if width is not None:
+        return Decision(width, compression, "width and compression both fixed", {})
+    if m.ranks < 2:
+        return Decision(1, compression, "a single rank has nothing to communicate", {})
+    link = link_from_allreduce(m.ranks, m.gradient_bytes, m.allreduce_s)
+    params = dataclasses.replace(CODECS.get(compression, CODECS["none"]),
+                                 cost_per_byte=m.codec_s.get(compression, 0.0) / max(m.gradient_bytes, 1))
+    comm = compressed_allreduce_time(m.ranks, m.gradient_bytes, link, params)
+    predicted = {"sync": sync_iteration_time(m.compute_s, comm),
+                 compression: pipelined_iteration_time(m.compute_s, comm)}
+    what = f"compression fixed; its all-reduce ({comm * 1e3:.1f} ms) is"
+    if comm <= sync_fraction * m.compute_s:
+        return Decision(1, compression, f"{what} under {sync_fraction:.0%} of compute ({m.compute_s * 1e3:.1f} ms): "
+                        "synchronous costs little", predicted)
+    return Decision(2, compression, f"{what} over {sync_fraction:.0%} of compute ({m.compute_s * 1e3:.1f} ms): "
+                    "pipelining hides it", predicted)

@@ -144,9 +144,12 @@ class PipelineEngine:
     def __init__(self, specs: Sequence[TensorSpec], *, ops: MutableTensorOps, comm: Communicator,
                  codec: Codec, config: PipelineConfig = PipelineConfig(),
                  ready_order: Optional[Sequence[int]] = None,
-                 device_anchors: Optional[Dict[str, Tensor]] = None) -> None:
+                 device_anchors: Optional[Dict[str, Tensor]] = None, first_step: int = 0) -> None:
         """``ready_order``: spec indices in the order gradients are expected (default: reverse).
-        ``device_anchors``: a tensor per device name, next to which that device's buffers go."""
+        ``device_anchors``: a tensor per device name, next to which that device's buffers go.
+        ``first_step``: the index of the first step, for an engine that replaces a flushed one
+        mid-training (the auto mode switching width or codec): warm-up, replica checks and
+        stochastic-rounding seeds keep counting from there."""
         self.specs = list(specs)
         self.ops, self.comm, self.codec, self.config = ops, comm, codec, config
         self._ready_order = list(ready_order) if ready_order is not None else list(range(len(self.specs)))[::-1]
@@ -155,7 +158,7 @@ class PipelineEngine:
         self._queue: Deque[_Step] = collections.deque()
         self._current: Optional[_Step] = None
         self._next_launch = 0
-        self._step = 0
+        self._step = _integer("first_step", first_step, 0)
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._anchors = dict(device_anchors or {})
         self.stats = WireStats()

@@ -8,6 +8,7 @@ pass produces it, ``synchronize()`` ends the step and writes the averaged (stale
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import weakref
 import warnings
@@ -17,11 +18,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from ..auto_controller import AutoController, AutoSettings
 from ..comm.base import Communicator, exit_if_stuck
 from ..compression import Compression, resolve_compression
 from ..engine import AppliedStep, PipelineConfig, PipelineEngine, WireStats
 from ..fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec
-from ..options import check_backward_passes, check_global_process_set, fusion_threshold_bytes, resolve_reduce_op
+from ..options import (check_backward_passes, check_global_process_set, check_staleness_correction,
+                       fusion_threshold_bytes, resolve_reduce_op)
+from ..staleness import WeightPrediction
 from . import torch_checks as checks
 from .torch_ops import TORCH_OPS, dtype_name
 
@@ -83,7 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named_parameters: ``model.named_parameters()``; names identify tensors across ranks.
         compression: ``psgd.Compression.none`` (default), ``.fp16``, ``.bf16``, ``.truncate16``,
             ``.int8``, ``.int4``, a codec built from its blocks, or Horovod's ``hvd.Compression.none``/
-            ``.fp16`` (all-reduced in float16, as in Horovod).
+            ``.fp16`` (all-reduced in float16, as in Horovod); or ``"auto"`` (below).
         backward_passes_per_step: backward passes accumulated locally before a reduction.
         op: ``hvd.Average`` (default) or ``hvd.Sum``. Adasum is not supported.
         gradient_predivide_factor: with Average, scale by 1/f before the sum and f/size after.
@@ -92,7 +96,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: densify sparse gradients (otherwise a sparse gradient is an error).
         process_set: only Horovod's global process set is supported.
     Keyword-only (ours):
-        width: pipeline width K >= 1 (default 2).
+        width: pipeline width K >= 1 (default 2), or ``"auto"``.
         warmup_steps: synchronous steps before pipelining (default 0).
         fusion_threshold_mb: bucket size in MiB (default 64, Horovod's).
         communicator: a Communicator, or "horovod" / "mpi4py" / "torch.distributed"
@@ -106,6 +110,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ranks and raise ``ReplicaDriftError`` on every rank, naming the step and the first
             parameter that differs (default None: never). Costs one pass over the weights on the
             host and a small allgather per check.
+        staleness_correction: False (default) or True: weight prediction (``pipesgd_hvd.staleness``,
+            after SpecTrain/SAPipe). The gradient of step t is computed at w_t + (w_t - w_{t-1}),
+            a guess of the weights it will be applied to, instead of at w_t. Between steps the
+            parameters hold that prediction: evaluate or save the model inside
+            ``with opt.real_weights():`` or after ``flush()``, which puts the real weights back.
+            ``state_dict()`` saves the real weights and the previous ones, so a restart is exact.
+            Costs two extra copies of the weights and three element-wise passes over them per
+            step (``docs/accuracy.md`` has the measured time and when it helps); with width 2 it
+            pays off when the learning rate is large enough that staleness costs accuracy.
+        auto_measure_steps, auto_recheck_every: with ``width="auto"`` and/or ``compression="auto"``
+            (default 10 and 500; ``auto_recheck_every=0`` or None: never re-check), see below.
+
+    **Automatic width and codec** (``pipesgd_hvd.auto_controller``). The first
+    ``auto_measure_steps`` steps run synchronously (width 1, uncompressed unless the codec is
+    fixed) while every rank measures its compute time per step (time outside the optimizer's
+    waits: forward, backward, the update, data loading; median), a synchronous float32 all-reduce
+    of the whole gradient, and one encode + decode per candidate codec. One allgather takes the
+    slowest rank's numbers, so every rank applies the rule of :func:`pipesgd_hvd.auto.decide` to
+    the same numbers and switches at the same step: width 1 if communication is under 5% of
+    compute, else width 2 with the least lossy of none < fp16 < int8 < int4 whose all-reduce hides
+    under compute. The switch flushes (the in-flight gradient is applied, nothing is lost) and
+    rebuilds the pipeline. Every ``auto_recheck_every`` steps it measures again (compute from the
+    pipelined steps, a flush, the all-reduce timed again: about one unhidden step and four
+    all-reduces per check) and switches when the choice changes. ``opt.auto_decision`` holds
+    the latest decision on every rank (``.describe()`` gives the reason and predicted step times);
+    rank 0 logs it with the numbers on the ``pipesgd_hvd.auto`` logger (``logging.INFO``). If
+    only one of the two is ``"auto"``, the other stays as given. ``state_dict()`` saves the
+    running choice; load it on every rank (rebuilding the pipeline is collective). ::
+
+        opt = psgd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                        width="auto", compression="auto")
 
     Errors: a bad argument, parameters that differ across ranks, a gradient that cannot be
     averaged, or ranks that ran different numbers of steps raise on every rank with the tensor and
@@ -119,7 +154,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  sparse_as_dense: bool = False, process_set: Any = None, *, width: int = 2,
                  warmup_steps: int = 0, fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20,
                  communicator: Any = None, grad_scaler: Any = None, seed: int = 0,
-                 check_replicas_every: Optional[int] = None) -> None:
+                 check_replicas_every: Optional[int] = None, staleness_correction: bool = False,
+                 auto_measure_steps: int = 10, auto_recheck_every: Optional[int] = 500) -> None:
         # Every check runs before the first collective, so a bad argument (the same on every
         # rank, as the code is) raises on every rank and no rank is left waiting.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -133,6 +169,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         threshold_bytes = fusion_threshold_bytes(fusion_threshold_mb)
         checks.check_flag("sparse_as_dense", sparse_as_dense)
         checks.check_grad_scaler(grad_scaler)
+        correct_staleness = check_staleness_correction(staleness_correction)
         if communicator is not None and not isinstance(communicator, str):
             checks.check_communicator(communicator)
         self._optimizer = optimizer
@@ -141,9 +178,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         checks.check_groups(num_groups, groups, [p for _, p in self._named])
         self._params = [p for _, p in self._named]
         self._index = {p: i for i, p in enumerate(self._params)}
+        self._prediction = WeightPrediction(TORCH_OPS, self._params) if correct_staleness else None
+        self._weights_predicted = False  # the parameters hold the prediction, not the real weights
         self.backward_passes_per_step = backward_passes_per_step
         self.sparse_as_dense = sparse_as_dense
         self._grad_scaler = grad_scaler
+        auto = AutoSettings.from_arguments(width, compression, auto_measure_steps, auto_recheck_every)
+        if auto is not None:  # measure synchronously first; see pipesgd_hvd.auto_controller
+            width, compression = auto.initial()
         self.width = width
         digest = hashlib.blake2b(repr([n for n, _ in self._named]).encode(), digest_size=3).hexdigest()
         self._config = PipelineConfig(width=width, warmup_steps=warmup_steps,
@@ -157,6 +199,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._comm = communicator if communicator is not None and not isinstance(communicator, str) \
             else default_communicator(communicator)
         self._engine = self._build_engine()
+        self.auto_controller = None if auto is None else \
+            AutoController(auto, self._comm, TORCH_OPS, rebuild=self._switch_engine)
 
         self._passes = [0] * len(self._params)
         self._hooks: Dict[int, Any] = {}
@@ -178,11 +222,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Nothing computed is lost: gradients still in flight when the interpreter exits are applied.
         atexit.register(_flush_at_exit, weakref.ref(self))
 
-    def _build_engine(self) -> PipelineEngine:
+    def _build_engine(self, first_step: int = 0) -> PipelineEngine:
         specs = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype), str(p.device)) for name, p in self._named]
         anchors = {str(p.device): p for p in self._params}
         return PipelineEngine(specs, ops=TORCH_OPS, comm=self._comm, codec=resolve_compression(self._codec_template),
-                              config=self._config, device_anchors=anchors)
+                              config=self._config, device_anchors=anchors, first_step=first_step)
+
+    def _switch_engine(self, width: int, compression: Any) -> None:
+        """The auto mode's rebuild hook: the engine was flushed; the next one continues its step
+        count and byte counts (a fresh name per configuration keeps Horovod's tensor names apart)."""
+        old = self._engine
+        old.close()
+        base = self._config.name.split(".auto")[0]
+        self._config = dataclasses.replace(self._config, width=width, name=f"{base}.auto{old.step}")
+        self._codec_template, self.width = compression, width
+        self._engine = self._build_engine(first_step=old.step)
+        self._engine.stats = old.stats
+
+    @property
+    def auto_decision(self) -> Any:
+        """With ``width``/``compression="auto"``: the latest :class:`pipesgd_hvd.auto.Decision`
+        (``.describe()`` says why), the same on every rank; None while measuring or without auto."""
+        return None if self.auto_controller is None else self.auto_controller.decision
 
     # ------------------------------------------------------------- forwarding to the wrapped one
     @property
@@ -239,6 +300,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params = [p for _, p in self._named]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._passes = [0] * len(self._params)
+        if self._prediction is not None:
+            self._prediction = WeightPrediction(TORCH_OPS, self._params)
         self._engine.close()
         self._engine = self._build_engine()
         self._register_hooks()
@@ -289,6 +352,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the average of step t-K+1 (zeros while the pipeline fills, and step() then applies nothing)."""
         if self._synchronized:
             return
+        if self.auto_controller is not None:
+            self.auto_controller.reduction_started()
         engine = self._engine
         if engine.replica_check_due():  # weights after the previous step's update, on every rank
             engine.check_replicas([(name, TORCH_OPS.to_numpy(p.detach().cpu())) for name, p in self._named])
@@ -308,6 +373,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes = [0] * len(self._params)
         self._register_hooks()
         applied = engine.end_step(meta=self._loss_scale())
+        if self.auto_controller is not None:  # at a check: flushed steps to apply; maybe a new engine
+            applied = applied + self.auto_controller.after_step(engine, applied)
+        self._restore_real_weights()  # the gradients were computed at the prediction: update the real weights
         for early in applied[:-1]:  # only when the width shrinks: apply older steps right away
             self._write_grads(early)
             self._optimizer.step()
@@ -349,16 +417,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif not self._synchronized:
             raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
         self._synchronized = False
+        self._restore_real_weights()  # done by synchronize() already; a no-op then
         if not self._apply_pending:
+            self._predict_weights()  # a fill step updates nothing, but the prediction starts here
             return None
         self._apply_pending = False
-        return self._optimizer.step(closure)
+        loss = self._optimizer.step(closure)
+        self._predict_weights()
+        return loss
+
+    # ------------------------------------------------------- staleness correction (prediction)
+    def _restore_real_weights(self) -> None:
+        if self._weights_predicted:
+            with torch.no_grad():
+                self._prediction.restore(self._params)
+            self._weights_predicted = False
+
+    def _predict_weights(self) -> None:
+        if self._prediction is not None:
+            with torch.no_grad():
+                self._prediction.predict(self._params)
+            self._weights_predicted = True
+
+    @contextmanager
+    def real_weights(self) -> Iterator[None]:
+        """With ``staleness_correction``, the parameters hold predicted weights between steps; inside
+        this block they hold the real ones, and the prediction comes back after it (bit for bit).
+        Evaluate or save there; do not change the weights there. Without the correction: no-op. ::
+
+            with opt.real_weights():
+                accuracy = evaluate(model)
+                torch.save(model.state_dict(), "model.pt")
+        """
+        if not self._weights_predicted:
+            yield
+            return
+        self._restore_real_weights()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self._prediction.reapply(self._params)  # a no-op if flush() ran inside the block
+            self._weights_predicted = bool(self._prediction.started > 0.5)
 
     def flush(self, check_steps: bool = True) -> int:
         """Apply every gradient still in flight (call once training ends, on every rank); returns
         how many steps. Collective: first checks that every rank ran the same number of steps.
         With a grad_scaler, gradients are unscaled here and a non-finite one is skipped."""
         in_flight = self._engine.flush(check_steps=check_steps)  # checks the ranks agree before it waits
+        if self._prediction is not None:  # the real weights first; prediction starts afresh next step
+            with torch.no_grad():
+                if self._weights_predicted:
+                    self._prediction.reset(self._params)
+                else:  # restored by synchronize(), perhaps updated since: leave the weights alone
+                    self._prediction.started.zero_()
+            self._weights_predicted = False
         applied_count = 0
         if self._apply_pending:
             self._optimizer.step()
@@ -406,20 +519,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's state dict plus ``"pipesgd"``: in-flight gradients (waited for),
-        codec state (error-feedback residuals) and the step count."""
+        codec state (error-feedback residuals) and the step count; with ``staleness_correction``,
+        ``"pipesgd_prediction"``: the real weights and the previous ones."""
         if self._apply_pending:
             raise RuntimeError("state_dict() between synchronize() and step(): call step() first")
         state = self._optimizer.state_dict()
         state["pipesgd"] = self._engine.state_dict()
+        if self.auto_controller is not None:
+            state["pipesgd_auto"] = self.auto_controller.state_dict()
+        if self._prediction is not None:
+            state["pipesgd_prediction"] = self._prediction.state_dict([n for n, _ in self._named])
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         state_dict = dict(state_dict)
         ours = state_dict.pop("pipesgd", None)
+        auto = state_dict.pop("pipesgd_auto", None)
+        prediction = state_dict.pop("pipesgd_prediction", None)
         self._optimizer.load_state_dict(state_dict)
         if ours is not None:
+            if auto is not None and self.auto_controller is not None:
+                self.auto_controller.load_state_dict(auto)  # the width and codec it ran with
             self._engine.load_state_dict(ours)
             self._stepped = self._engine.step > 0
+        self._load_prediction(prediction)
+
+    def _load_prediction(self, saved: Optional[Dict[str, Any]]) -> None:
+        """Load the model first: the parameters then get the prediction the next gradient is
+        computed at (with the correction), or the real weights (a correction checkpoint resumed
+        without it). A checkpoint without prediction state starts predicting afresh."""
+        with torch.no_grad():
+            if self._prediction is not None and saved is not None:
+                self._prediction.load_state_dict(saved, [n for n, _ in self._named], self._params)
+            elif self._prediction is not None:
+                self._prediction.started.zero_()
+            elif saved is not None and saved["started"]:
+                for name, p in self._named:
+                    p.copy_(saved["current"][name])
+        self._weights_predicted = self._prediction is not None and bool(self._prediction.started > 0.5)
 
 
 

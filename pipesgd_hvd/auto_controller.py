@@ -1,0 +1,293 @@
+"""``width="auto"`` / ``compression="auto"`` at run time: measure, agree, switch. Framework-free.
+
+The decision rule is :mod:`pipesgd_hvd.auto`; this module feeds it and carries it out. An adapter
+(PyTorch's ``DistributedOptimizer``; Keras can reuse it) builds its engine with
+:meth:`AutoSettings.initial` and calls two hooks per step::
+
+    controller.reduction_started()                  # entering our code: the user's compute ends
+    applied = engine.end_step(meta)
+    applied += controller.after_step(engine, applied)   # steps to apply now (a flush at a check)
+
+and supplies ``rebuild(width, compression)``, which closes the engine and builds the next one
+(``first_step=engine.step``). Timeline, in engine steps (the same on every rank):
+
+* steps ``0 .. measure_steps-1`` run synchronously (width 1; uncompressed unless the codec is
+  fixed). Compute time per step is the time spent outside our code: from the end of one step's
+  reduction to the start of the next one's (forward, backward, the update, data loading), the
+  median over the window (the first step, which has no previous end, is not counted);
+* at the end of step ``measure_steps-1`` (a *check*): flush the engine (whatever is in flight is
+  returned for the adapter to apply: nothing is lost), time a synchronous float32 all-reduce of
+  the whole gradient (one warm-up, then the median of ``repeats``), and, at the first check
+  only, one encode + decode of the gradient per candidate codec (local; the sizes do not change,
+  so the cost is measured once). One ``allgather_object`` gathers every rank's numbers; the
+  maximum of each field (the slowest rank) goes into :func:`~pipesgd_hvd.auto.decide_fixed`, so
+  every rank decides the same from the same numbers. If the choice differs from the running
+  configuration, every rank rebuilds its engine at this same step;
+* every ``recheck_every`` steps after that, another check. Compute time then comes from the
+  pipelined steps before it (the last ``measure_steps`` of them): time outside our waits, which in
+  pipelined mode includes whatever the overlapping communication slows compute down by, i.e. what
+  a step actually costs. The all-reduce is timed synchronously after the flush, as at the first
+  check. Cost of a check: the flush (one step's communication is not hidden, and a width-K
+  pipeline refills: its next K-1 steps apply nothing, the flushed gradient having been applied
+  early), ``repeats + 1`` float32 all-reduces of the gradient and one small allgather; every 500
+  steps that is well under 1% of training time.
+
+Switching codec drops the old codec's error-feedback residual (at most one step's quantization
+error; a new codec starts with none).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import numbers
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from .auto import CANDIDATES, Decision, Measurements, decide_fixed
+from .timing import CODECS
+from .comm.base import Communicator, ReduceOp
+from .compression import resolve_compression
+from .compression.codecs import Codec
+from .engine import AppliedStep, PipelineEngine
+from .tensor_ops import MutableTensorOps, Tensor
+
+AUTO = "auto"
+GATHER_NAME = "pipesgd.auto"
+log = logging.getLogger("pipesgd_hvd.auto")
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """What the auto mode may choose (``None``: chosen from measurements; else fixed as given) and
+    when it measures. The same on every rank (checked at every check)."""
+
+    width: Optional[int]
+    compression: Any
+    measure_steps: int = 10
+    recheck_every: int = 500            # 0: never re-check
+    sync_fraction: float = 0.05
+    candidates: Tuple[str, ...] = CANDIDATES
+
+    @classmethod
+    def from_arguments(cls, width: Any, compression: Any, measure_steps: Any = 10,
+                       recheck_every: Any = 500) -> Optional["AutoSettings"]:
+        """The settings for an optimizer's ``width``/``compression`` arguments; None if neither is "auto"."""
+        auto_width, auto_codec = _is_auto(width), _is_auto(compression)
+        if not (auto_width or auto_codec):
+            return None
+        if isinstance(measure_steps, bool) or not isinstance(measure_steps, numbers.Integral) or measure_steps < 2:
+            raise ValueError(f"auto_measure_steps must be an int >= 2 (the first step cannot be timed), "
+                             f"got {measure_steps!r}")
+        if recheck_every is None:
+            recheck_every = 0
+        if isinstance(recheck_every, bool) or not isinstance(recheck_every, numbers.Integral) or recheck_every < 0:
+            raise ValueError(f"auto_recheck_every must be an int >= 1 (or 0/None: never), got {recheck_every!r}")
+        if not auto_width and (isinstance(width, bool) or not isinstance(width, numbers.Integral) or width < 1):
+            raise ValueError(f"width must be an int >= 1 or 'auto', got {width!r}")
+        if not auto_codec:
+            resolve_compression(compression)  # an unknown codec fails now, not at the first check
+        return cls(None if auto_width else int(width), None if auto_codec else compression,
+                   int(measure_steps), int(recheck_every))
+
+    def initial(self) -> Tuple[int, Any]:
+        """(width, compression) while measuring: synchronous, uncompressed unless the codec is fixed."""
+        return 1, ("none" if self.compression is None else self.compression)
+
+    def fixed_codec_name(self) -> Optional[str]:
+        return None if self.compression is None else model_name(resolve_compression(self.compression))
+
+    def entries(self) -> Tuple[Any, ...]:
+        return (self.width, self.fixed_codec_name(), self.measure_steps, self.recheck_every,
+                self.sync_fraction, tuple(self.candidates))
+
+
+def model_name(codec: Codec) -> str:
+    """The timing model's name for a codec ("int8+ef" -> "int8"); its own name if the model has none."""
+    base = codec.name.split("+")[0].split("-")[0]
+    return base if base in CODECS else codec.name
+
+
+class Probe(Protocol):
+    """Times the two things the rule needs besides compute (tests inject scripted numbers)."""
+
+    def allreduce_s(self, comm: Communicator, ops: MutableTensorOps, flat: Tensor) -> float: ...
+    def codec_s(self, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> float: ...
+
+
+def _block(ops: MutableTensorOps, x: Tensor) -> None:
+    """Wait until ``x`` is computed (reading one element to the host syncs a GPU)."""
+    ops.to_numpy(ops.reshape(x, (-1,))[:1])
+
+
+class TimingProbe:
+    """Wall-clock timings of the real operations."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, repeats: int = 3) -> None:
+        self.clock, self.repeats = clock, repeats
+
+    def allreduce_s(self, comm: Communicator, ops: MutableTensorOps, flat: Tensor) -> float:
+        """A synchronous float32 all-reduce of ``flat`` (overwritten): one warm-up (it also lines
+        the ranks up), then the median of ``repeats``. Collective."""
+        comm.allreduce_async_(flat, f"{GATHER_NAME}.allreduce.warmup", ReduceOp.AVERAGE).wait()
+        times = []
+        for i in range(self.repeats):
+            start = self.clock()
+            out = comm.allreduce_async_(flat, f"{GATHER_NAME}.allreduce.{i}", ReduceOp.AVERAGE).wait()
+            _block(ops, out)
+            times.append(self.clock() - start)
+        return statistics.median(times)
+
+    def codec_s(self, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> float:
+        """One encode + decode of ``flat`` as one row, after a warm-up on a small slice. Local."""
+        n = ops.numel(flat)
+        cols = codec.padded_cols(n)
+        padded = flat if cols == n else ops.concat([flat, ops.zeros((cols - n,), "float32", like=flat)], 0)
+        rows = ops.reshape(padded, (1, cols))
+        small = codec.padded_cols(min(cols, 4096))
+        warm, ctx = codec.encode(ops, rows[:, :small], key=f"{GATHER_NAME}.warmup", seed=0)
+        _block(ops, codec.decode(ops, warm, ctx))
+        start = self.clock()
+        payload, ctx = codec.encode(ops, rows, key=GATHER_NAME, seed=0)
+        _block(ops, codec.decode(ops, payload, ctx))
+        return self.clock() - start
+
+
+@dataclass(frozen=True)
+class AutoRecord:
+    """One check: the step it ran at, the gathered numbers (slowest rank) and the decision."""
+
+    step: int
+    measurements: Measurements
+    decision: Decision
+
+
+class AutoController:
+    """Measures, gathers, decides and switches; see the module docstring for the timeline."""
+
+    def __init__(self, settings: AutoSettings, comm: Communicator, ops: MutableTensorOps,
+                 rebuild: Callable[[int, Any], None], *, probe: Optional[Probe] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.settings, self.comm, self.ops = settings, comm, ops
+        self._rebuild = rebuild
+        self.probe: Probe = probe if probe is not None else TimingProbe()
+        self.clock = clock
+        self.width, self.compression = settings.initial()
+        self.history: List[AutoRecord] = []
+        self.next_check: Optional[int] = settings.measure_steps
+        self._samples: Deque[float] = collections.deque(maxlen=settings.measure_steps)
+        self._wait_started: Optional[float] = None
+        self._last_end: Optional[float] = None
+        self._codec_s: Optional[Dict[str, float]] = None
+
+    @property
+    def decision(self) -> Optional[Decision]:
+        """The latest decision (None while measuring)."""
+        return self.history[-1].decision if self.history else None
+
+    # ------------------------------------------------------------------------------ hooks
+    def reduction_started(self) -> None:
+        """The adapter enters its end-of-step work: the user's compute of this step ends here."""
+        if self._wait_started is None:
+            self._wait_started = self.clock()
+
+    def after_step(self, engine: PipelineEngine, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
+        """Call right after ``engine.end_step`` returned ``applied``. At a check (collective on every
+        rank at the same step) returns the flushed in-flight steps, oldest first, for the adapter to
+        apply after ``applied``; the engine may have been rebuilt (read it again). Else ``[]``."""
+        started, self._wait_started = self._wait_started, None
+        if started is not None and self._last_end is not None:
+            self._samples.append(max(started - self._last_end, 0.0))
+        flushed: List[AppliedStep] = []
+        if self.next_check is not None and engine.step >= self.next_check:
+            flushed = self._check(engine, applied)
+        self._last_end = self.clock()  # the check's own time is not the user's compute
+        return flushed
+
+    # ------------------------------------------------------------------------------ a check
+    def _check(self, engine: PipelineEngine, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
+        flushed = engine.flush()  # collective; checks first that every rank ran as many steps
+        latest = list(applied) + flushed
+        nbytes = 4 * sum(math.prod(spec.shape) for spec in engine.specs)
+        flat = self._flat(latest[-1]) if latest else self.ops.zeros((nbytes // 4,), "float32")
+        if self._codec_s is None:
+            fixed = self.settings.compression
+            codecs = [resolve_compression(c) for c in (self.settings.candidates if fixed is None else (fixed,))]
+            self._codec_s = {model_name(c): float(self.probe.codec_s(self.ops, c, flat)) for c in codecs}
+        previous = self.history[-1].measurements.compute_s if self.history else 0.0
+        mine = {"step": engine.step, "settings": self.settings.entries(), "gradient_bytes": nbytes,
+                "compute_s": statistics.median(self._samples) if self._samples else previous,
+                "allreduce_s": float(self.probe.allreduce_s(self.comm, self.ops, flat)),
+                "codec_s": dict(self._codec_s)}
+        m = _slowest(self.comm.allgather_object(mine, GATHER_NAME))
+        s = self.settings
+        decision = decide_fixed(m, width=s.width, compression=s.fixed_codec_name(),
+                                sync_fraction=s.sync_fraction, candidates=s.candidates)
+        self.history.append(AutoRecord(engine.step, m, decision))
+        if self.comm.rank == 0:
+            log.info("pipesgd_hvd auto, step %d: %s; measured (slowest of %d ranks): %s",
+                     engine.step, decision.describe(), m.ranks, describe_measurements(m))
+        self._samples.clear()
+        self.next_check = engine.step + s.recheck_every if s.recheck_every else None
+        chosen = (decision.width, decision.compression if s.compression is None else s.compression)
+        if chosen != (self.width, self.compression):
+            self.width, self.compression = chosen
+            self._rebuild(*chosen)
+        return flushed
+
+    def _flat(self, step: AppliedStep) -> Tensor:
+        """The step's averaged gradient as one new float32 vector (the probe may overwrite it)."""
+        ops = self.ops
+        parts = [ops.cast(ops.reshape(g, (ops.numel(g),)), "float32") for _, g in sorted(step.grads.items())]
+        return ops.concat(parts, 0)
+
+    # ------------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain values: the running configuration (a fixed codec is not saved: it is the one the
+        optimizer is built with), the next check and the measured codec costs."""
+        return {"width": self.width, "compression": self.compression if self.settings.compression is None else None,
+                "next_check": self.next_check, "codec_s": self._codec_s,
+                "history": [(r.step, r.decision.width, r.decision.compression, r.decision.reason)
+                            for r in self.history]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores the configuration a checkpoint ran with (rebuilding the engine: collective, call
+        on every rank, before loading the engine's state)."""
+        chosen = (int(state["width"]), state["compression"] if self.settings.compression is None else self.compression)
+        self.next_check, self._codec_s = state["next_check"], state["codec_s"]
+        self._samples.clear()
+        self._wait_started = self._last_end = None
+        if chosen != (self.width, self.compression):
+            self.width, self.compression = chosen
+            self._rebuild(*chosen)
+
+
+def _slowest(everyone: List[Dict[str, Any]]) -> Measurements:
+    """Every rank's measurements -> one Measurements of the maxima (the same on every rank)."""
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs["settings"] != first["settings"]:
+            raise ValueError(f"auto settings differ across ranks: rank 0 has {first['settings']}, rank {rank} has "
+                             f"{theirs['settings']}; pass the same width, compression and auto_* arguments everywhere")
+        if theirs["step"] != first["step"]:
+            raise RuntimeError(f"auto check at different steps: rank 0 at {first['step']}, rank {rank} at "
+                               f"{theirs['step']}; every rank must call step() as often")
+    codec_s: Dict[str, float] = {}
+    for theirs in everyone:
+        for name, seconds in theirs["codec_s"].items():
+            codec_s[name] = max(codec_s.get(name, 0.0), seconds)
+    return Measurements(ranks=len(everyone), gradient_bytes=first["gradient_bytes"],
+                        compute_s=max(e["compute_s"] for e in everyone),
+                        allreduce_s=max(e["allreduce_s"] for e in everyone), codec_s=codec_s)
+
+
+def describe_measurements(m: Measurements) -> str:
+    codecs = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in m.codec_s.items())
+    return (f"compute {m.compute_s * 1e3:.1f} ms/step, float32 all-reduce of {m.gradient_bytes / 2**20:.2f} MiB "
+            f"{m.allreduce_s * 1e3:.1f} ms, encode+decode: {codecs or 'not measured'}")
