@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench accuracy clean
 
 install:
 	./scripts/install.sh
@@ -19,6 +19,10 @@ test: install
 # "throughput" section of docs/benchmarks.md and docs/img/throughput.png.
 bench: install
 	$(PY) -m benchmarks.throughput
+
+# The accuracy study (issue 8): writes docs/accuracy.md and docs/img/accuracy.png; about 15 min on 2 cores.
+accuracy: install
+	$(PY) -m benchmarks.accuracy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

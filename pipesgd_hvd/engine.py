@@ -24,6 +24,7 @@ cannot complete. The cure is a restart from the last checkpoint on every rank.
 from __future__ import annotations
 
 import collections
+import hashlib
 import concurrent.futures
 import math
 import numbers
@@ -45,6 +46,15 @@ def _integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{hint}, got {value!r}")
     return int(value)
+
+
+def pipeline_name(tensor_names: Sequence[str]) -> str:
+    """The prefix of one optimizer's collective names: the same on every rank (a digest of the
+    tensor names). Horovod refuses two tensors in flight under one name, so two optimizers over
+    identically named parameters must not have reductions in flight at the same time (flush one
+    before stepping the other) or their parameters must be named apart."""
+    digest = hashlib.blake2b(repr(list(tensor_names)).encode(), digest_size=3).hexdigest()
+    return f"psgd.{digest}"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ Between steps the parameters hold the prediction: evaluate or save inside :meth:
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 from .tensor_ops import Tensor, TensorOps
 
@@ -51,6 +51,13 @@ class WeightPrediction:
             ops.assign(p, ops.read(cur) * 2.0 - ops.read(prev))
         ops.assign(self.started, ops.full((), 1.0, "float32"))
 
+    def reapply(self, params: Sequence[Any]) -> None:
+        """Writes the prediction again after :meth:`restore` (e.g. an evaluation at the real
+        weights); bit for bit what :meth:`predict` wrote, and no third copy of the weights."""
+        ops, started = self.ops, self._started()
+        for prev, cur, p in zip(self.previous, self.current, params):
+            ops.assign(p, ops.where(started, ops.read(cur) * 2.0 - ops.read(prev), ops.read(p)))
+
     def reset(self, params: Sequence[Any]) -> None:
         """Restores the real weights and starts afresh (after a flush)."""
         self.restore(params)
@@ -59,3 +66,23 @@ class WeightPrediction:
     def state(self) -> List[Tensor]:
         return [self.started, *self.current, *self.previous]
 
+    def state_dict(self, names: Sequence[str]) -> Dict[str, Any]:
+        """Copies of w_t ("current") and w_{t-1} ("previous") by parameter name, and "started"."""
+        ops = self.ops
+        return {"started": bool(ops.to_numpy(ops.read(self.started)) > 0.5),
+                "current": {n: ops.new_state(ops.read(t)) for n, t in zip(names, self.current)},
+                "previous": {n: ops.new_state(ops.read(t)) for n, t in zip(names, self.previous)}}
+
+    def load_state_dict(self, state: Dict[str, Any], names: Sequence[str], params: Sequence[Any]) -> None:
+        """Loads :meth:`state_dict` and writes the prediction into ``params``: the next gradient
+        is computed where it would have been without the restart, whether the model was saved
+        holding the prediction or (inside ``real_weights``) the real weights."""
+        differ = sorted(set(names) ^ set(state["current"]))
+        if differ:
+            raise ValueError(f"the checkpoint's weight-prediction state does not match the parameters: {differ}")
+        ops = self.ops
+        for n, cur, prev in zip(names, self.current, self.previous):
+            ops.assign(cur, state["current"][n])
+            ops.assign(prev, state["previous"][n])
+        ops.assign(self.started, ops.full((), 1.0 if state["started"] else 0.0, "float32"))
+        self.reapply(params)

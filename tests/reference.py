@@ -53,17 +53,39 @@ def mean_gradient(model: torch.nn.Module, batches: Sequence, passes: int = 1) ->
 
 def reference_sgd(steps: int, ranks: int, width: int, lr: float = 0.1, warmup: int = 0,
                   passes: int = 1, seed: int = 0,
-                  batches: Callable[[int], Sequence[tuple]] = None) -> List[torch.Tensor]:
-    """Final weights of plain SGD under the pipelined rule with width K after ``steps`` steps."""
+                  batches: Callable[[int], Sequence[tuple]] = None, predict: bool = False,
+                  flush: bool = False) -> List[torch.Tensor]:
+    """Final weights of plain SGD under the pipelined rule with width K after ``steps`` steps.
+
+    ``predict``: weight prediction, each gradient computed at w_t + (w_t - w_{t-1}), except at
+    steps 0 and 1, computed at w_t (no update to extrapolate with yet); the real weights are
+    returned. ``flush``: then apply what is still in flight."""
     model = make_model(seed)
+    params = list(model.parameters())
     pending: List[List[torch.Tensor]] = []
+    previous = None
+
+    def apply(grads: List[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.add_(g, alpha=-lr)  # what torch.optim.SGD does without momentum
+
     for t in range(steps):
+        real = [p.detach().clone() for p in params]
+        if predict and previous is not None:
+            with torch.no_grad():
+                for p, w, w_prev in zip(params, real, previous):
+                    p.copy_(w * 2.0 - w_prev)
         grads = mean_gradient(model, batches(t), passes)
+        if predict:
+            with torch.no_grad():
+                for p, w in zip(params, real):
+                    p.copy_(w)
         pending.append(grads)
         k = 1 if t < warmup else width
         while len(pending) >= k:
-            apply = pending.pop(0)
-            with torch.no_grad():
-                for p, g in zip(model.parameters(), apply):
-                    p.add_(g, alpha=-lr)  # what torch.optim.SGD does without momentum
-    return [p.detach().clone() for p in model.parameters()]
+            apply(pending.pop(0))
+        previous = real if t > 0 else [p.detach().clone() for p in params]
+    while flush and pending:
+        apply(pending.pop(0))
+    return [p.detach().clone() for p in params]

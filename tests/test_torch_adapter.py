@@ -224,3 +224,53 @@ def test_grad_scaler_without_synchronize_is_a_clear_error():
     scaler.scale(loss_fn(model, make_batches(1, 1)[0][0])).backward()
     with pytest.raises(RuntimeError, match="call optimizer.synchronize\\(\\) before scaler.step"):
         scaler.step(opt)
+
+
+def test_staleness_correction_argument_and_resuming_with_it_switched_on_or_off():
+    with pytest.raises(ValueError, match="staleness_correction must be False, True or 'weight_prediction'"):
+        wrap(make_model(), staleness_correction="yes")
+    batches = make_batches(6, 1)
+
+    def train(opt, model, steps):
+        for t in range(steps):
+            opt.zero_grad()
+            loss_fn(model, batches[t][0]).backward()
+            opt.step()
+
+    model = make_model()
+    opt = wrap(model, staleness_correction="weight_prediction")
+    train(opt, model, 6)
+    state = opt.state_dict()
+    with opt.real_weights():
+        real = [p.detach().clone() for p in model.parameters()]
+    assert not all(torch.equal(p, r) for p, r in zip(model.parameters(), real)), "the model holds the prediction"
+
+    # Resumed without the correction: the real weights go into the parameters.
+    plain_model = make_model()
+    plain_model.load_state_dict(model.state_dict())
+    plain = wrap(plain_model)
+    plain.load_state_dict(state)
+    assert all(torch.equal(p, r) for p, r in zip(plain_model.parameters(), real))
+
+    # A checkpoint without prediction state, loaded into an optimizer with the correction that has
+    # been predicting already (width 1: nothing in flight, so loading is allowed): it starts
+    # afresh from the weights as loaded; nothing of its old prediction state is used.
+    sync_model = make_model()
+    sync = wrap(sync_model, width=1)
+    train(sync, sync_model, 3)
+    loaded = [p.detach().clone() for p in sync_model.parameters()]
+    again_model = make_model()
+    again = wrap(again_model, width=1, staleness_correction=True)
+    train(again, again_model, 2)
+    again_model.load_state_dict(sync_model.state_dict())
+    again.load_state_dict(sync.state_dict())
+    with again.real_weights():
+        assert all(torch.equal(p, r) for p, r in zip(again_model.parameters(), loaded))
+    again.zero_grad()
+    loss_fn(again_model, batches[3][0]).backward()
+    again.step()
+    sync_model.zero_grad()
+    loss_fn(sync_model, batches[3][0]).backward()
+    sync.step()  # the first step after a fresh start is computed at the loaded weights
+    with again.real_weights():
+        assert all(torch.equal(p, q) for p, q in zip(again_model.parameters(), sync_model.parameters()))

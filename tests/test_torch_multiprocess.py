@@ -24,6 +24,22 @@ def test_checkpoint_mid_pipeline_restores_exactly_in_fresh_processes(tmp_path, c
     assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out
 
 
+def test_staleness_correction_follows_the_reference_rule_and_real_weights_shows_the_real_ones():
+    out = run_ranks("mp/torch_prediction.py")
+    for rank in (0, 1):
+        for check in ("prediction-reference-warmup0", "prediction-reference-warmup3"):
+            assert f"PASS rank{rank} {check}" in out
+
+
+def test_checkpoint_with_staleness_correction_restores_exactly(tmp_path):
+    """int8+EF with weight prediction; the model saved holding the prediction and inside real_weights()."""
+    args = [str(tmp_path), "int8", "12", "7"]
+    run_ranks("mp/torch_checkpoint.py", *args, "full", "prediction")
+    run_ranks("mp/torch_checkpoint.py", *args, "part1", "prediction")
+    out = run_ranks("mp/torch_checkpoint.py", *args, "part2", "prediction")
+    assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out
+
+
 @pytest.mark.parametrize("kind,needle", [("shape", "(3, 2)"), ("name", "renamed.0.weight"), ("dtype", "float64")])
 def test_model_mismatch_across_ranks_raises_on_every_rank(kind, needle):
     out = run_ranks("mp/torch_mismatch.py", kind, expect_failure=True, timeout=90)

@@ -17,12 +17,12 @@ import keras
 import tensorflow as tf
 
 from ..compression import Compression, resolve_compression
-from ..engine import PipelineConfig, WireStats
+from ..engine import PipelineConfig, WireStats, pipeline_name
 from ..fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec
 from ..options import (check_backward_passes, check_global_process_set, check_staleness_correction,
                        fusion_threshold_bytes, resolve_reduce_op)
 from ..staleness import WeightPrediction
-from .tf_pipeline import GraphPipeline, pipeline_name
+from .tf_pipeline import GraphPipeline
 
 try:
     import horovod.tensorflow as _hvd
@@ -49,15 +49,15 @@ class _PipelinedOptimizer:
         s = self._pipesgd_settings
         specs = [TensorSpec(variable_name(v), tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
                  for v in variables]
-        config = PipelineConfig(width=s["width"], warmup_steps=s["warmup_steps"],
-                                fusion_threshold_bytes=s["fusion_threshold_bytes"], op=s["op"],
-                                gradient_predivide_factor=s["gradient_predivide_factor"],
-                                name=pipeline_name([spec.name for spec in specs]), seed=s["seed"])
         comm = s["communicator"]
         if comm is None:
             from ..comm.horovod_tensorflow import HorovodTensorFlowCommunicator
 
             comm = HorovodTensorFlowCommunicator()
+        config = PipelineConfig(width=s["width"], warmup_steps=s["warmup_steps"],
+                                fusion_threshold_bytes=s["fusion_threshold_bytes"], op=s["op"],
+                                gradient_predivide_factor=s["gradient_predivide_factor"],
+                                name=pipeline_name([spec.name for spec in specs]), seed=s["seed"])
         self._pipesgd_variables = [variable_name(v) for v in variables]
         pipeline = GraphPipeline(specs, comm=comm, codec=resolve_compression(s["compression"]), config=config)
         prediction = None

@@ -25,7 +25,6 @@ compute and communication alone).
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -175,8 +174,3 @@ class GraphPipeline(tf.Module):
         Also sets the bytes one reduction sends."""
         self._reduce_all([tf.zeros((b.numel,), tf_dtype(b.dtype)) for b in self.layout.buckets], "prime")
         return [v for _, v in sorted(self.codec.state_dict().get("residuals", {}).items())]
-
-
-def pipeline_name(names: Sequence[str]) -> str:
-    digest = hashlib.blake2b(repr(list(names)).encode(), digest_size=3).hexdigest()
-    return f"psgd.{digest}"

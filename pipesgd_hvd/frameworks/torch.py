@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import hashlib
 import weakref
 import warnings
 from collections import OrderedDict
@@ -21,7 +20,7 @@ import torch
 from ..auto_controller import AutoController, AutoSettings
 from ..comm.base import Communicator, exit_if_stuck
 from ..compression import Compression, resolve_compression
-from ..engine import AppliedStep, PipelineConfig, PipelineEngine, WireStats
+from ..engine import AppliedStep, PipelineConfig, PipelineEngine, WireStats, pipeline_name
 from ..fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec
 from ..options import (check_backward_passes, check_global_process_set, check_staleness_correction,
                        fusion_threshold_bytes, resolve_reduce_op)
@@ -187,17 +186,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if auto is not None:  # measure synchronously first; see pipesgd_hvd.auto_controller
             width, compression = auto.initial()
         self.width = width
-        digest = hashlib.blake2b(repr([n for n, _ in self._named]).encode(), digest_size=3).hexdigest()
-        self._config = PipelineConfig(width=width, warmup_steps=warmup_steps,
-                                      fusion_threshold_bytes=threshold_bytes,
-                                      op=resolve_reduce_op(op, _hvd),
-                                      gradient_predivide_factor=gradient_predivide_factor,
-                                      name=f"psgd.{digest}", seed=seed,
-                                      check_replicas_every=check_replicas_every or 0)
-        resolve_compression(compression)  # an unknown codec fails here, before any collective
+        config = dict(width=width, warmup_steps=warmup_steps, fusion_threshold_bytes=threshold_bytes,
+                      op=resolve_reduce_op(op, _hvd), gradient_predivide_factor=gradient_predivide_factor,
+                      seed=seed, check_replicas_every=check_replicas_every or 0)
+        PipelineConfig(**config)  # bad settings fail here, before any collective
+        resolve_compression(compression)  # so does an unknown codec
         self._codec_template = compression
         self._comm = communicator if communicator is not None and not isinstance(communicator, str) \
             else default_communicator(communicator)
+        self._config = PipelineConfig(**config, name=pipeline_name([n for n, _ in self._named]))
         self._engine = self._build_engine()
         self.auto_controller = None if auto is None else \
             AutoController(auto, self._comm, TORCH_OPS, rebuild=self._switch_engine)

@@ -3,10 +3,14 @@
 The checkpoint holds the in-flight (already reduced) gradient and, with int8/int4, each rank's
 error-feedback residuals, so each rank saves and restores its own file.
 
-Usage: torch_checkpoint.py DIR COMPRESSION TOTAL_STEPS SAVE_AT MODE, MODE one of
+Usage: torch_checkpoint.py DIR COMPRESSION TOTAL_STEPS SAVE_AT MODE [PREDICTION], MODE one of
   full    train TOTAL_STEPS uninterrupted, write each rank's final weights to DIR/full.<rank>.pt
   part1   train SAVE_AT steps, write model + optimizer state_dict to DIR/ckpt.<rank>.pt, exit
   part2   (new processes) load DIR/ckpt.<rank>.pt, train to TOTAL_STEPS, compare with DIR/full.<rank>.pt
+PREDICTION "prediction": staleness_correction=True; part1 also saves the model inside
+opt.real_weights() (DIR/ckpt-real.<rank>.pt) beside the model as it is between steps (holding the
+prediction), and part2 resumes each in turn; both must continue exactly. Compared: the parameters
+(the prediction, with the correction) and the real weights.
 """
 import sys
 
@@ -18,42 +22,62 @@ from common import assert_replicas_identical, passed
 from reference import loss_fn, make_batches, make_model
 
 directory, compression, total, save_at, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+prediction = len(sys.argv) > 6 and sys.argv[6] == "prediction"
 hvd.init()
 rank = hvd.rank()
 batches = make_batches(total, hvd.size())
 
-model = make_model()
-opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                named_parameters=model.named_parameters(), width=2, compression=compression)
-start, stop = 0, total
-if mode == "part1":
-    stop = save_at
-elif mode == "part2":
-    ckpt = torch.load(f"{directory}/ckpt.{rank}.pt", weights_only=False)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["optimizer"])
-    start = opt.engine.step
-    assert start == save_at, (start, save_at)
 
-for t in range(start, stop):
-    opt.zero_grad()
-    loss_fn(model, batches[t][rank]).backward()
-    opt.step()
+def build():
+    model = make_model()
+    opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                    named_parameters=model.named_parameters(), width=2, compression=compression,
+                                    staleness_correction=prediction)
+    return model, opt
+
+
+def train(model, opt, start, stop):
+    for t in range(start, stop):
+        opt.zero_grad()
+        loss_fn(model, batches[t][rank]).backward()
+        opt.step()
+
 
 if mode == "part1":
+    model, opt = build()
+    train(model, opt, 0, save_at)
     state = opt.state_dict()
     assert len(state["pipesgd"]["in_flight"]) == 1, "width 2 keeps one step in flight"
     if compression in ("int8", "int4"):  # error feedback: this rank's residuals travel with the checkpoint
         residuals = state["pipesgd"]["codec"]["residuals"]
         assert residuals and all(bool(r.any()) for r in residuals.values()), "no error-feedback residual saved"
     torch.save({"model": model.state_dict(), "optimizer": state}, f"{directory}/ckpt.{rank}.pt")
+    if prediction:
+        assert state["pipesgd_prediction"]["started"], "the prediction state travels with the checkpoint"
+        with opt.real_weights():
+            torch.save({"model": model.state_dict(), "optimizer": state}, f"{directory}/ckpt-real.{rank}.pt")
     passed("saved")
 elif mode == "full":
-    torch.save([p.detach() for p in model.parameters()], f"{directory}/full.{rank}.pt")
+    model, opt = build()
+    train(model, opt, 0, total)
+    with opt.real_weights():
+        real = [p.detach().clone() for p in model.parameters()]
+    torch.save([[p.detach() for p in model.parameters()], real], f"{directory}/full.{rank}.pt")
     passed("full")
 else:
-    full = torch.load(f"{directory}/full.{rank}.pt")
-    for (name, p), q in zip(model.named_parameters(), full):
-        assert torch.equal(p, q), f"restored run differs from uninterrupted at {name}: {(p - q).abs().max()}"
-    assert_replicas_identical(model.parameters(), "restored")
+    full, full_real = torch.load(f"{directory}/full.{rank}.pt")
+    for variant in (["ckpt", "ckpt-real"] if prediction else ["ckpt"]):
+        model, opt = build()
+        ckpt = torch.load(f"{directory}/{variant}.{rank}.pt", weights_only=False)
+        model.load_state_dict(ckpt["model"])  # the model first: the optimizer then writes the prediction
+        opt.load_state_dict(ckpt["optimizer"])
+        assert opt.engine.step == save_at, (opt.engine.step, save_at)
+        train(model, opt, save_at, total)
+        for (name, p), q in zip(model.named_parameters(), full):
+            assert torch.equal(p, q), f"{variant}: differs from uninterrupted at {name}: {(p - q).abs().max()}"
+        with opt.real_weights():
+            for (name, p), q in zip(model.named_parameters(), full_real):
+                assert torch.equal(p, q), f"{variant}: real {name} differs from uninterrupted: {(p - q).abs().max()}"
+        assert_replicas_identical(model.parameters(), f"restored-{variant}")
+        opt.flush()  # nothing left in flight before the next variant reuses the collective names
     passed("restored-equals-uninterrupted")
