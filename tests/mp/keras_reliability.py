@@ -38,7 +38,7 @@ if case == "arguments":
         (ValueError, "gradient_accumulation_steps", lambda: psgd.DistributedOptimizer(sgd(), backward_passes_per_step=2)),
         (ValueError, "backward_passes_per_step must be an int >= 1",
          lambda: psgd.DistributedOptimizer(sgd(), backward_passes_per_step=0)),
-        (ValueError, "fusion_threshold_mb must be a number >= 0",
+        (ValueError, "fusion_threshold_mb must be a finite number >= 0",
          lambda: psgd.DistributedOptimizer(sgd(), fusion_threshold_mb=-1)),
         (ValueError, "gradient_predivide_factor must be",
          lambda: psgd.DistributedOptimizer(sgd(), gradient_predivide_factor=0)),
