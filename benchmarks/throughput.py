@@ -2,323 +2,243 @@
 
     python -m benchmarks.throughput            (as root; `make bench` runs it)
 
-For each link rate and batch (chosen so that communication is about 0.25x, 1x and 4x the
-compute of a step), one launch of 2 ranks, one per host (``benchmarks/cluster``), runs side by side,
-interleaved in rounds: compute alone (no communication), the all-reduce alone (float32, and our
-compressed all-reduce per codec), Horovod's own ``DistributedOptimizer`` (what users have today),
-and pipesgd_hvd width 1, width 2, and width 2 with fp16 / bf16 / truncate16 / int8 (error
-feedback). Then one launch on 4 hosts. The model is 4 Linear(1280, 1280) layers (26 MB of float32
-gradient), one thread per rank. Per configuration: the median step time (slowest
-rank), the speed-up over Horovod, the efficiency against the bound max(compute, communication)
-(both measured in the same launch), and the timing model's prediction (pipesgd_hvd.timing) from
-the measured compute, link and codec costs. Writes the "throughput" section of
-docs/benchmarks.md and docs/img/throughput.png.
+One launch per setting (link rate and batch, chosen so that communication is about 0.25x, 1x and
+4x the compute of a step), ranks one per host on network namespaces with ``tc tbf`` links
+(``benchmarks/cluster``); then one launch on 4 hosts. Inside a launch every configuration runs
+side by side, interleaved in rounds (``benchmarks/throughput_worker.py``); the analysis, the
+timing model's predictions and the targets are in ``benchmarks/throughput_analysis.py``. Writes
+the "throughput" section of docs/benchmarks.md and docs/img/throughput.png.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import re
-import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
+
+from .throughput_analysis import LABELS, Launch, Model, Target, fit_model, phase_rates, speedup, targets
+from .throughput_worker import CODECS, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = "THROUGHPUT_RESULT "
-CODECS = ("fp16", "bf16", "truncate16", "int8")
-TRAINING = ["horovod", "w1", "w2"] + [f"w2-{c}" for c in CODECS] + ["auto"]
-LABELS = {"horovod": "Horovod DistributedOptimizer (sync)", "w1": "pipesgd width 1", "w2": "pipesgd width 2",
-          **{f"w2-{c}": f"pipesgd width 2 + {c}{' (EF)' if c == 'int8' else ''}" for c in CODECS},
-          "auto": 'pipesgd width="auto", compression="auto"'}
+IMAGE = ROOT / "docs" / "img" / "throughput.png"
 
 
-# ------------------------------------------------------------------------------------ worker
-def _worker(args: argparse.Namespace) -> None:
-    import horovod.torch as hvd
-    import torch
-
-    import pipesgd_hvd.torch as psgd
-    from pipesgd_hvd.comm.horovod_torch import HorovodTorchCommunicator
-    from pipesgd_hvd.compression import resolve_compression
-    from pipesgd_hvd.compression.allreduce import compressed_allreduce
-    from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
-
-    hvd.init()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    x = torch.randn(args.batch, args.dim)
-
-    def make_model() -> torch.nn.Module:
-        torch.manual_seed(1)
-        return torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
-
-    def step(model: torch.nn.Module, opt: Any) -> None:
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-
-    runs: Dict[str, Dict[str, Any]] = {}
-    for key in ["compute"] + TRAINING:
-        model = make_model()
-        inner = torch.optim.SGD(model.parameters(), lr=1e-6)
-        if key == "compute":
-            opt = inner
-        elif key == "horovod":
-            opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-        elif key == "auto":
-            # Decides after its first segment (measured at width 1), before the timed rounds.
-            opt = psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width="auto",
-                                            compression="auto", auto_measure_steps=args.steps, auto_recheck_every=0)
-        else:
-            width, _, codec = key[1:].partition("-")
-            opt = psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width=int(width),
-                                            compression=codec or "none")
-        runs[key] = {"model": model, "opt": opt}
-
-    grad_numel = sum(p.numel() for p in runs["compute"]["model"].parameters())
-    flat = torch.randn(grad_numel)
-    comm = HorovodTorchCommunicator()
-    codecs = {c: resolve_compression(c) for c in CODECS}
-    calls = [0]
-
-    def allreduce_fp32() -> None:
-        calls[0] += 1
-        hvd.allreduce_(flat.clone(), name=f"bench.fp32.{calls[0]}", op=hvd.Average)
-
-    def compressed(name: str) -> Callable[[], None]:
-        def run() -> None:
-            calls[0] += 1
-            compressed_allreduce(TORCH_OPS, comm, codecs[name], flat, name=f"bench.{name}.{calls[0]}",
-                                 key="bench", seed=calls[0])
-        return run
-
-    # The two phases of our compressed all-reduce for int8, alone: alltoall of the encoded bucket
-    # and allgather of one encoded chunk (uint8), to compare with the link rate.
-    int8_row = -(-grad_numel // hvd.size() // 512) * 516
-    a2a_buf = torch.zeros(hvd.size(), int8_row, dtype=torch.uint8)
-    ag_buf = torch.zeros(1, int8_row, dtype=torch.uint8)
-
-    def phase(kind: str) -> Callable[[], None]:
-        def run() -> None:
-            calls[0] += 1
-            if kind == "alltoall":
-                hvd.alltoall(a2a_buf, name=f"bench.a2a.{calls[0]}")
-            else:
-                hvd.allgather(ag_buf, name=f"bench.ag.{calls[0]}")
-        return run
-
-    def codec_roundtrip(name: str) -> Callable[[], None]:
-        """One encode + decode of the whole gradient on this rank (the codec's cost)."""
-        codec = resolve_compression(name)
-        rows = torch.zeros(1, codec.padded_cols(grad_numel))
-        rows[0, :grad_numel] = flat
-
-        def run() -> None:
-            payload, ctx = codec.encode(TORCH_OPS, rows, key="local", seed=0)
-            codec.decode(TORCH_OPS, payload, ctx)
-        return run
-
-    def compute_beside_allreduce() -> None:
-        """Compute steps, each with a float32 all-reduce of the gradient's size started just before
-        (Horovod's background thread runs it): how much communication (copies, the TCP stack,
-        Horovod's thread) slows compute on the shared core. One collective per step, so both
-        ranks issue the same ones."""
-        model, opt = runs["compute"]["model"], runs["compute"]["opt"]
-        for _ in range(args.steps):
-            calls[0] += 1
-            handle = hvd.allreduce_async_(flat.clone(), name=f"bench.beside.{calls[0]}", op=hvd.Average)
-            samples["compute-beside-comm"].append(timed(lambda: step(model, opt)))
-            hvd.synchronize(handle)
-
-    keys = ["compute", "compute-beside-comm", *TRAINING, "comm-none", *[f"comm-{c}" for c in CODECS],
-            *[f"codec-{c}" for c in CODECS], "int8-alltoall", "int8-allgather"]
-    samples: Dict[str, List[float]] = {k: [] for k in keys}
-
-    def timed(fn: Callable[[], None]) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    # The auto configuration measures during its first steps: give it those before the rounds.
-    for _ in range(args.steps + 2):
-        step(runs["auto"]["model"], runs["auto"]["opt"])
-    runs["auto"]["opt"].flush()
-
-    for _ in range(args.rounds):
-        for key in ["compute", *TRAINING]:
-            model, opt = runs[key]["model"], runs[key]["opt"]
-            step(model, opt)  # untimed: refills the pipeline after the last segment's flush
-            for _ in range(args.steps):
-                samples[key].append(timed(lambda: step(model, opt)))
-            if hasattr(opt, "flush"):
-                opt.flush()  # nothing of this configuration stays on the wire during the next one
-            hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{key}.{len(samples[key])}")
-        # Both ranks must run the same collectives: the other rank's loop thread answers ours.
-        compute_beside_allreduce()
-        for _ in range(args.comm_reps):
-            samples["comm-none"].append(timed(allreduce_fp32))
-            for c in CODECS:
-                samples[f"comm-{c}"].append(timed(compressed(c)))
-                samples[f"codec-{c}"].append(timed(codec_roundtrip(c)))
-            samples["int8-alltoall"].append(timed(phase("alltoall")))
-            samples["int8-allgather"].append(timed(phase("allgather")))
-
-    medians = {k: statistics.median(v) for k, v in samples.items() if v}
-    everyone = hvd.allgather_object(medians, name="bench.medians")
-    slowest = {k: max(m[k] for m in everyone) for k in medians}
-    if hvd.rank() == 0:
-        decision = runs["auto"]["opt"].auto_decision
-        result = {"ranks": hvd.size(), "grad_bytes": grad_numel * 4, "median_s": slowest, "int8_row": int8_row,
-                  "auto": {"width": decision.width, "compression": decision.compression,
-                           "describe": decision.describe()} if decision is not None else None,
-                  "wire_ratio": {k: runs[k]["opt"].stats.ratio for k in TRAINING if k != "horovod"}}
-        sys.stdout.write(MARKER + json.dumps(result) + "\n")
-        sys.stdout.flush()
-
-
-# ------------------------------------------------------------------------------------ driver
-@dataclasses.dataclass
+@dataclass(frozen=True)
 class Setting:
     hosts: int
-    rate: str
-    batch: int
-    label: str
+    rate: str      # tc rate: "250mbit", "1gbit", ...
+    batch: int     # per rank: sets the compute time
+    aim: str
+
+    @classmethod
+    def parse(cls, hosts: int, spec: str, aim: str) -> "Setting":
+        rate, batch = spec.split(":")
+        return cls(hosts, rate, int(batch), aim)
 
 
-def _launch(setting: Setting, args: argparse.Namespace) -> Dict[str, Any]:
-    # Horovod's Gloo controller, not MPI: see benchmarks/cluster/gloo.py for the measurement
-    # (Open MPI's TCP transport slowed 2x beside compute on this 2-core machine; Gloo did not).
-    from benchmarks.cluster.gloo import run
-    from benchmarks.cluster.netns import Cluster
+def wait_for_quiet(max_wait: float, idle_cores: float = 1.5, window: float = 2.0) -> Tuple[float, float]:
+    """Waits (at most ``max_wait`` s) until other jobs leave ``idle_cores`` of the machine idle over
+    ``window`` s, so that a launch does not start in the middle of someone's test run; returns
+    (seconds waited, busy cores in the last window). The cores are shared: this only lowers the odds."""
+    from .throughput_worker import machine_busy
 
+    start = time.monotonic()
+    while True:
+        busy0, total0 = machine_busy()
+        time.sleep(window)
+        busy1, total1 = machine_busy()
+        cores = os.cpu_count() or 1
+        busy = (busy1 - busy0) / max(total1 - total0, 1e-9) * cores
+        waited = time.monotonic() - start
+        if cores - busy >= idle_cores or waited >= max_wait:
+            return waited, busy
+
+
+def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "", quick: bool = False) -> Launch:
+    from .cluster import gloo, launch
+    from .cluster.netns import Cluster, leftover_namespaces
+
+    cmd = [sys.executable, "-m", "benchmarks.throughput_worker", "--rounds", str(args.rounds), "--steps",
+           str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch), "--dim",
+           str(args.dim), "--layers", str(args.layers)] + (["--quick"] if quick else [])
     env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "benchmarks.throughput", "--worker", "--rounds", str(args.rounds),
-           "--steps", str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch),
-           "--dim", str(args.dim), "--layers", str(args.layers)]
+    waited, busy = wait_for_quiet(args.max_quiet_wait)
     start = time.perf_counter()
     with Cluster(setting.hosts, rate=setting.rate) as cluster:
-        proc = run(cluster, cmd, env=env, timeout=900)
-    print(f"  {setting.hosts} hosts at {setting.rate}: {time.perf_counter() - start:.0f} s", file=sys.stderr,
-          flush=True)
+        runner = gloo if (controller or args.controller) == "gloo" else launch
+        proc = runner.run(cluster, cmd, env=env, timeout=args.launch_timeout)
+    left = leftover_namespaces(cluster.prefix)
+    if left:
+        raise RuntimeError(f"tear-down left namespaces behind: {left}")
+    print(f"  {setting.hosts} hosts, {setting.rate}, batch {setting.batch}{', ' + controller if controller else ''}: "
+          f"{time.perf_counter() - start:.0f} s "
+          f"(after waiting {waited:.0f} s for other jobs; {busy:.1f} cores busy at the start)", file=sys.stderr, flush=True)
     for line in proc.stdout.splitlines():
-        if MARKER in line:
-            return json.loads(line.split(MARKER, 1)[1])
+        if line.startswith(MARKER):
+            return Launch(setting.hosts, setting.rate, setting.batch, json.loads(line[len(MARKER):]), waited, busy)
     raise RuntimeError(f"no result (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def predictions(res: Dict[str, Any]) -> Dict[str, float]:
-    """The timing model's step time per configuration, from this launch's measured compute time,
-    float32 all-reduce (the link) and codec round trips."""
-    from pipesgd_hvd.auto import link_from_allreduce
-    from pipesgd_hvd.timing import CODECS as MODEL_CODECS
-    from pipesgd_hvd.timing import compressed_allreduce_time, pipelined_iteration_time, sync_iteration_time
-
-    m, n, nbytes = res["median_s"], res["ranks"], res["grad_bytes"]
-    link = link_from_allreduce(n, nbytes, m["comm-none"])
-    f = interference(m)
-    out = {k: sync_iteration_time(m["compute"], m["comm-none"]) for k in ("horovod", "w1")}
-    auto = res.get("auto")
-    out["w2"] = pipelined_iteration_time(m["compute"], m["comm-none"], f)
-    for c in CODECS:
-        # The model's codec term is (N-1)/N M c for the whole round trip; fit c from ours.
-        codec = dataclasses.replace(MODEL_CODECS[c], cost_per_byte=m[f"codec-{c}"] * n / ((n - 1) * nbytes))
-        out[f"w2-{c}"] = pipelined_iteration_time(m["compute"], compressed_allreduce_time(n, nbytes, link, codec), f)
-    out["auto"] = out.get(_auto_key(auto), float("nan")) if auto else float("nan")
-    return out
+# --------------------------------------------------------------------------------- the report
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}"
 
 
-def _auto_key(auto: Optional[Dict[str, Any]]) -> str:
-    """The fixed configuration the auto mode chose, as a key of TRAINING."""
-    if not auto:
-        return ""
-    if auto["width"] == 1:
-        return "w1"
-    return "w2" if auto["compression"] == "none" else f"w2-{auto['compression']}"
+def launch_block(setting: Setting, la: Launch, model: Model) -> str:
+    from .report import table
 
-
-def interference(m: Dict[str, float]) -> float:
-    """The timing model's f: compute runs 1+f times slower while an all-reduce runs beside it.
-    A step with one all-reduce beside it overlaps it for min(all-reduce, step) seconds, of which
-    f/(1+f) is the delay: f/(1+f) = (beside - alone) / min(all-reduce, beside)."""
-    delay = max(0.0, m["compute-beside-comm"] - m["compute"])
-    share = min(0.99, delay / max(min(m["comm-none"], m["compute-beside-comm"]), 1e-9))
-    return share / (1.0 - share)
-
-
-def bound(res: Dict[str, Any], key: str) -> float:
-    m = res["median_s"]
-    if key == "auto":
-        key = _auto_key(res.get("auto")) or "w1"
-        if key.startswith("w2-") and f"comm-{key[3:]}" not in m:  # a codec without its own row (int4)
-            return float("nan")
-    comm = m["comm-none"] if key in ("horovod", "w1", "w2") else m[f"comm-{key[3:]}"]
-    if key in ("horovod", "w1"):
-        return m["compute"] + comm  # synchronous: nothing to hide behind (Horovod hides part, see text)
-    return max(m["compute"], comm)
-
-
-def _table(setting: Setting, res: Dict[str, Any]) -> str:
-    from benchmarks.report import table
-
-    m = res["median_s"]
-    pred = predictions(res)
     rows = []
-    for key in TRAINING:
-        t = m[key]
-        rows.append([LABELS[key], f"{t * 1e3:.0f}", f"{m['horovod'] / t:.2f}x", f"{bound(res, key) * 1e3:.0f}",
-                     f"{bound(res, key) / t:.0%}", f"{pred[key] * 1e3:.0f}", f"{t / pred[key]:.2f}",
-                     f"{res['wire_ratio'].get(key, 1.0):.3f}"])
-    head = (f"**{setting.hosts} hosts, {setting.rate} links, batch {setting.batch}** ({setting.label}): compute alone "
-            f"{m['compute'] * 1e3:.0f} ms, float32 all-reduce alone {m['comm-none'] * 1e3:.0f} ms "
-            f"(comm/compute {m['comm-none'] / m['compute']:.2f}); compressed all-reduce alone: "
-            + ", ".join(f"{c} {m[f'comm-{c}'] * 1e3:.0f} ms" for c in CODECS)
-            + "; encode + decode of the whole gradient on one rank: "
-            + ", ".join(f"{c} {m[f'codec-{c}'] * 1e3:.0f} ms" for c in CODECS) + ".")
-    hidden = (m["compute"] + m["comm-none"] - m["horovod"]) / m["comm-none"]
-    n, row = res["ranks"], res["int8_row"]
-    # Bytes each rank sends: alltoall (N-1) rows, allgather (N-1) rows (one row each to N-1 peers,
-    # as a ring does); the float32 all-reduce 2 (N-1)/N of the gradient.
-    rate = {"float32 all-reduce": 2 * (n - 1) / n * res["grad_bytes"] / m["comm-none"],
-            "int8 alltoall": (n - 1) * row / m["int8-alltoall"], "int8 allgather": (n - 1) * row / m["int8-allgather"]}
-    tail = (f"Horovod's synchronous optimizer hid {hidden:.0%} of the all-reduce behind the backward pass "
-            f"(compute + all-reduce - its step, over the all-reduce). Compute with an all-reduce beside it: "
-            f"{m['compute-beside-comm'] * 1e3:.0f} ms, so interference f = {interference(m):.2f} (used by the "
-            f"model's pipelined rows). Bytes sent per rank per second: "
-            + ", ".join(f"{k} {v * 8 / 1e6:.0f} Mbit/s" for k, v in rate.items()) + f" (link {setting.rate}).")
-    auto = res.get("auto")
-    if auto:
-        timed_rows = [k for k in TRAINING if k != "auto"]
-        fastest = min(timed_rows, key=lambda k: m[k])
-        tail += (f" The auto mode chose width={auto['width']} compression={auto['compression']} "
-                 f"({auto['describe']}); the fastest configuration measured in this launch: {LABELS[fastest]}.")
-    return head + "\n\n" + table(["configuration", "step ms", "speed-up vs Horovod", "bound ms", "efficiency "
-                                  "(bound / step)", "model ms", "step / model", "wire bytes vs fp32"], rows) + \
-        "\n\n" + tail
+    for key in ("compute", *TRAINING):
+        t = la.median(key)
+        main, other = la.cpu_per_step(key)
+        cpu = f"{ms(main)} / {ms(other)} / {la.machine_cores(key):.2f}"
+        if key == "compute":
+            rows.append(["compute alone (no communication)", ms(t), "", "", "", "", "", "", cpu])
+            continue
+        loop = f"{ms(la.loop(key))} ({t / la.loop(key):.2f})" if key.startswith("w2") else ""
+        rows.append([LABELS[key], ms(t), f"{speedup(la, key):.2f}x", ms(la.bound(key)), f"{la.bound(key) / t:.0%}",
+                     loop, ms(model.step[key]), f"{t / model.step[key]:.2f}", cpu])
+    head = ["configuration", "step ms", "speed-up vs Horovod", "bound ms", "bound / step",
+            "engine-free loop ms (step / loop)", "model ms", "step / model",
+            "CPU per step: compute thread ms / other threads ms / machine cores busy"]
+    codec_rows = []
+    for c in ("none", *CODECS):
+        key = "w2" if c == "none" else f"w2-{c}"
+        codec_rows.append([c, ms(la.comm(c)), ms(la.comm_cpu(c)), ms(la.median(f"codec-{c}")) if c != "none" else "-",
+                           f"{model.codecs[c].cost_per_byte * 1e9:.2f}", ms(model.comm[c]),
+                           f"{model.interference[c]:.2f}", f"{la.raw['wire_ratio'][key]:.3f}"])
+    codec_head = ["codec", "all-reduce alone ms", "its CPU ms (all threads of a rank)", "encode + decode of the gradient, "
+                  "one rank, ms", "cost beyond the wire ns/B", "model all-reduce ms", "interference f",
+                  "wire bytes vs fp32"]
+    link = model.link
+    main_c, other_c = la.cpu_per_step("compute")
+    return "\n".join([
+        f"**{setting.hosts} hosts, {setting.rate} links, batch {setting.batch}** ({setting.aim}): compute alone "
+        f"{ms(la.compute)} ms (forward {ms(la.median('forward'))}, backward {ms(la.median('backward'))}, update "
+        f"{ms(la.median('update'))}); float32 all-reduce alone {ms(la.comm('none'))} ms: **comm/compute "
+        f"{la.comm('none') / la.compute:.2f}**. Other jobs took {la.foreign_share():.0%} of the machine's busy CPU "
+        f"time during this launch ({la.busy_at_start:.1f} cores busy when it started, after waiting {la.waited:.0f} s "
+        f"for a quieter moment); computing alone a rank got {la.core_share():.0%} of a core "
+        f"({ms(main_c)} ms CPU on the compute thread, {ms(other_c)} ms on the others per step).",
+        "", table(head, rows), "", table(codec_head, codec_rows), "",
+        f"Link fit (`fit_link` on float32 all-reduces of {la.grad_bytes / 1e6:.1f} MB, a quarter of it and 1 KB, "
+        f"and a float32 add): alpha {link.alpha * 1e6:.0f} us, bandwidth {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
+        f"gamma {link.gamma * 1e9:.3f} ns/B. Sent per rank: "
+        + ", ".join(f"{k} {v / 1e6:.0f} Mbit/s" for k, v in phase_rates(la).items())
+        + f" (link {setting.rate}; alltoall and allgather of int8-sized chunks, TCP: one chunk each way at once "
+        "between ranks 0 and 1). "
+        f"Horovod's sync step hid {la.horovod_hidden():.0%} of the float32 all-reduce behind the backward pass "
+        f"(compute + all-reduce - step, over the all-reduce); the model's overlap h = {model.overlap:.0%}.",
+    ])
 
 
-def _plot(settings: Sequence[Setting], results: Sequence[Dict[str, Any]], path: Path) -> None:
-    import matplotlib
+def controller_block(spec: str, pair: Sequence[Launch]) -> str:
+    """Horovod's Gloo controller (our launcher) against its MPI controller (mpirun through
+    rsh_agent.sh), back to back, same link and batch."""
+    from .report import table
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    rows = []
+    for name, la in zip(("Gloo (benchmarks/cluster/gloo.py)", "MPI (mpirun, benchmarks/cluster/launch.py)"), pair):
+        main, other = la.cpu_per_step("compute")
+        rows.append([name, ms(la.compute), f"{ms(main)} / {ms(other)}", ms(la.comm("none")), ms(la.median("horovod")),
+                     ms(la.median("w2"))])
+    return (f"**Which controller.** Two short launches back to back, 2 hosts, {spec.replace(':', ' links, batch ')}, "
+            f"{len(pair[0].samples('compute'))} timed steps per configuration:\n\n"
+            + table(["Horovod controller (launcher)", "compute alone ms", "its CPU per step: compute thread / others ms",
+                     "float32 all-reduce alone ms", "Horovod sync step ms", "pipesgd width 2 step ms"], rows)
+            + "\n\nShare of the all-reduce that width 2 hid behind compute ((compute + all-reduce - step) / "
+            "all-reduce): " + ", ".join(f"{name} {hid:.0%}" for name, hid in zip(("Gloo", "MPI"), map(hidden_w2, pair)))
+            + ". The launches above use the Gloo controller; `--controller mpi` runs them under mpirun.")
 
-    fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.8 / len(settings)
-    for i, (setting, res) in enumerate(zip(settings, results)):
-        m = res["median_s"]
+
+def hidden_w2(la: Launch) -> float:
+    return (la.compute + la.comm("none") - la.median("w2")) / la.comm("none")
+
+
+def findings(launches: Sequence[Launch]) -> str:
+    """What the launches together show, in numbers from this run."""
+    import statistics
+
+    two = [la for la in launches if la.hosts == 2]
+    ratios = [la.median(k) / la.loop(k) for la in launches for k in TRAINING if k.startswith("w2")]
+    width1 = "; ".join(f"{la.rate}: width 1 {la.median('w1') / la.median('horovod'):.2f}, one bucket per layer "
+                       f"{la.median('w1-layer') / la.median('horovod'):.2f} (Horovod hid {la.horovod_hidden():.0%})"
+                       for la in two)
+    cpu = ", ".join(f"{c} {ms(statistics.median(la.comm_cpu(c) for la in two))}" for c in ("none", *CODECS))
+    busy = [la.machine_cores(k) for la in two for k in TRAINING if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
+    rates = "; ".join(f"{la.rate}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in phase_rates(la).items()) for la in two)
+    lines = [
+        f"- **Engine overhead.** In the {len(ratios)} width-2 rows the engine's step was {min(ratios):.2f}-"
+        f"{max(ratios):.2f}x (median {statistics.median(ratios):.2f}) that of the same schedule without the engine "
+        "(compute, start this step's all-reduce, wait for the previous one): where a pipelined row misses its bound, "
+        "the bare schedule misses it as well.",
+        f"- **Width 1 against Horovod** (step / Horovod's step): {width1}. With the default fusion threshold (64 MiB) "
+        f"the {two[0].grad_bytes / 1e6:.1f} MB gradient is one bucket, which is sent when the backward pass has ended; "
+        "Horovod starts each layer's all-reduce as its gradient is ready. The two width-1 rows differ only in the "
+        "bucket size.",
+        f"- **One core per rank.** An all-reduce alone cost a rank this much CPU (median over the 2-host launches, "
+        f"ms): {cpu}. Compute owns the core, so that CPU is taken from it: a pipelined step cannot beat compute + "
+        "that CPU, whatever the link" + (f"; the machine was {min(busy):.1f}-{max(busy):.1f} cores busy in the "
+                                          "pipelined rows that missed their bound." if busy else "."),
+        f"- **The compressed all-reduce's wire.** Sent per rank, Mbit/s: {rates}. Horovod's (Gloo) alltoall and "
+        "allgather, which carry the byte codecs, move fewer bits per second than its float32 all-reduce and than a "
+        "plain TCP exchange on the same link, so a codec that halves the bytes does not halve the time.",
+    ]
+    for la in (x for x in launches if x.hosts > 2):
+        ref = min(two, key=lambda t: abs(t.comm("none") / t.compute - la.comm("none") / la.compute)) if two else None
+        per_sample = (f"; compute per sample took {la.compute / la.batch / (ref.compute / ref.batch):.1f}x its time on "
+                      f"2 hosts ({ref.rate})") if ref else ""
+        lines.append(
+            f"- **{la.hosts} hosts on {os.cpu_count()} cores.** Computing alone a rank got {la.core_share():.0%} of a "
+            f"core{per_sample}. Every rank's codec and transport CPU competes with the other ranks' compute, and "
+            "steps stretch whenever one rank is descheduled; the ratios show the shape of the curves, not what "
+            f"{la.hosts} real hosts would reach.")
+    return "\n".join(lines)
+
+
+def targets_block(found: Sequence[Target]) -> str:
+    from .report import table
+
+    rows = [[t.name, "met" if t.met else "**missed**", t.measured, t.cause] for t in found]
+    met = sum(t.met for t in found)
+    return f"{met} of {len(found)} targets met.\n\n" + table(["target", "result", "measured", "measured cause"], rows)
+
+
+def profile_block(la: Launch) -> str:
+    from .report import table
+
+    prof = la.raw.get("int8_profile") or []
+    if not prof:
+        return ""
+    total = sum(p[1] for p in prof)
+    return (f"Where the int8 codec's CPU goes ({la.hosts} hosts, {la.rate}): `torch.profiler`, one compressed "
+            f"all-reduce of the {la.grad_bytes / 1e6:.1f} MB gradient on rank 0, self CPU time of the top tensor ops "
+            f"({total:.0f} ms together; waits on the wire are not tensor ops):\n\n"
+            + table(["op", "self CPU ms", "calls"], [[name, f"{t:.1f}", count] for name, t, count in prof]))
+
+
+def plot(settings: Sequence[Setting], launches: Sequence[Launch], models: Sequence[Model], path: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    fig = Figure(figsize=(10, 4.2))
+    ax = fig.add_subplot()
+    width = 0.8 / len(launches)
+    for i, (s, la, model) in enumerate(zip(settings, launches, models)):
         xs = [j + i * width for j in range(len(TRAINING))]
-        ax.bar(xs, [m["horovod"] / m[k] for k in TRAINING], width,
-               label=f"{setting.hosts} hosts, {setting.rate} (comm/compute {m['comm-none'] / m['compute']:.2f})")
+        label = f"{s.hosts} hosts, {s.rate} (comm/compute {la.comm('none') / la.compute:.2f})"
+        ax.bar(xs, [speedup(la, k) for k in TRAINING], width, label=label, color=f"C{i}")
+        ax.scatter(xs, [model.step["horovod"] / model.step[k] for k in TRAINING], marker="_", s=120, color="black",
+                   zorder=3, label="model" if i == 0 else None)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(TRAINING))])
-    ax.set_xticklabels([LABELS[k].replace("pipesgd ", "").replace("Horovod DistributedOptimizer (sync)", "Horovod")
+    ax.set_xticklabels([LABELS[k].replace("pipesgd ", "").replace(" DistributedOptimizer (sync)", " (sync)")
                         for k in TRAINING], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("speed-up over Horovod sync")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -326,59 +246,92 @@ def _plot(settings: Sequence[Setting], results: Sequence[Dict[str, Any]], path: 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
-    parser.add_argument("--comm-reps", type=int, default=2, help="all-reduce timings per round")
-    parser.add_argument("--batch", type=int, default=320, help="(worker) batch per rank")
-    parser.add_argument("--dim", type=int, default=1280)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
+    parser.add_argument("--comm-reps", type=int, default=1, help="collective timings per round")
+    parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    # RATE:BATCH per 2-host launch, chosen so that communication is ~0.25x, ~1x and ~4x compute
-    # here (the table reports the ratio each launch measured).
-    parser.add_argument("--settings", nargs="+", default=["10gbit:1280", "2gbit:480", "700mbit:320"])
-    parser.add_argument("--four-hosts", default="2gbit:480", help="RATE:BATCH of the 4-host launch ('' skips it)")
+    # RATE:BATCH per 2-host launch, aimed at comm ~0.25x, ~1x and ~4x compute (each launch reports
+    # the ratio it measured).
+    parser.add_argument("--settings", nargs="+", default=["5gbit:1024", "620mbit:1024", "155mbit:1024"])
+    parser.add_argument("--four-hosts", default="620mbit:512", help="RATE:BATCH of the 4-host launch ('' skips it)")
+    parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument("--controller-check", default="620mbit:1024",
+                        help="RATE:BATCH of two short launches, Gloo then MPI controller ('' skips them)")
+    parser.add_argument("--launch-timeout", type=float, default=600)
+    parser.add_argument("--max-quiet-wait", type=float, default=45,
+                        help="seconds to wait before each launch for other jobs to leave the cores idle")
+    parser.add_argument("--no-doc", action="store_true", help="print the section, leave docs/ alone")
     args = parser.parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return
     if os.geteuid() != 0:
         sys.exit("benchmarks.throughput creates network namespaces: run it as root")
-    from benchmarks.cluster.netns import leftover_namespaces
-    from benchmarks.report import machine_line, write_section
+    from .report import machine_line, write_section
 
-    names = {0: "aimed at comm ~0.25x compute", 1: "aimed at comm ~1x compute", 2: "aimed at comm ~4x compute"}
-    settings = []
-    for i, spec in enumerate(args.settings):
-        rate, batch = spec.split(":")
-        settings.append(Setting(2, rate, int(batch), names.get(i, "")))
+    aims = ("aimed at comm ~0.25x compute", "aimed at comm ~1x compute", "aimed at comm ~4x compute")
+    settings = [Setting.parse(2, spec, aims[i] if i < len(aims) else "") for i, spec in enumerate(args.settings)]
     if args.four_hosts:
-        rate, batch = args.four_hosts.split(":")
-        settings.append(Setting(4, rate, int(batch), "4 ranks on 2 cores: oversubscribed"))
-    load_before = os.getloadavg()[0]
+        settings.append(Setting.parse(4, args.four_hosts, "4 ranks on 2 cores: oversubscribed"))
+    load_before = os.getloadavg()
     start = time.perf_counter()
-    results = [_launch(s, args) for s in settings]
+    launches = [run_launch(s, args) for s in settings]
+    pair: List[Launch] = []
+    if args.controller_check:
+        check = Setting.parse(2, args.controller_check, "controller check")
+        pair = [run_launch(check, args, controller, quick=True) for controller in ("gloo", "mpi")]
     elapsed = time.perf_counter() - start
-    assert not leftover_namespaces(), "namespaces left behind"
-    _plot(settings, results, ROOT / "docs" / "img" / "throughput.png")
-    sections = "\n\n".join(_table(s, r) for s, r in zip(settings, results))
+    load_after = os.getloadavg()
+    models = [fit_model(la) for la in launches]
+    found = targets(launches, dict(enumerate(models)))
+    if not args.no_doc:
+        plot(settings, launches, models, IMAGE)
+    blocks = "\n\n".join(launch_block(s, la, m) for s, la, m in zip(settings, launches, models))
+    four_x = max((la for la in launches if la.hosts == 2), key=lambda la: la.comm("none") / la.compute)
     text = f"""## Throughput on the emulated cluster (`benchmarks/throughput.py`, `make bench`)
 
-{machine_line()}. One launch per row block, ranks one per host (network namespaces, `tc tbf`
-links, Horovod's Gloo controller with our rendezvous server; see `benchmarks/cluster/`). Model: {args.layers} x
-Linear({args.dim}, {args.dim}) (26 MB of float32 gradient), one thread per rank; the batch per
-rank sets the compute time (given per launch). Configurations interleaved in {args.rounds} rounds of {args.steps} timed steps (after one
-untimed step; pipelines flushed between segments); medians, slowest rank. Bound = max(compute,
-communication) for pipelined rows (communication = that codec's all-reduce alone), compute +
-all-reduce for synchronous ones. Model = `pipesgd_hvd.timing` from this launch's compute time,
-float32 all-reduce and codec round trips (sync: `l_comp + l_AR`, pipelined: `max(l_comp, l_comm)`).
-Load average before: {load_before:.2f}, after: {os.getloadavg()[0]:.2f} (other jobs may have
-shared the 2 cores). Total {elapsed / 60:.1f} min.
+{machine_line()}; {elapsed / 60:.1f} min for {len(launches)} launches. Load average (1, 5, 15 min) before:
+{', '.join(f'{v:.2f}' for v in load_before)}; after: {', '.join(f'{v:.2f}' for v in load_after)}. The two cores were
+shared with other jobs (the share is given per launch): absolute times carry their noise, the
+ratios less so, since every configuration ran side by side in each launch.
 
-{sections}
+Setup: ranks one per host: network namespaces behind a bridge, each host's egress shaped by
+`tc tbf rate R burst 512kb` (a transfer's first 512 kB leave at once, so short transfers can beat R), Horovod's
+{args.controller} controller (`benchmarks/cluster/`). Model: {args.layers} x Linear({args.dim}, {args.dim}),
+{launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, one torch thread per rank, SGD; the link rate sets
+comm/compute. Every configuration ran {args.rounds} rounds of {args.steps} timed steps (after one untimed step that
+refills the pipeline; flushed after), interleaved with the others; step times are medians of the slowest rank.
+
+- *Bound* = max(compute, that codec's all-reduce), both timed alone in the same launch.
+- *Engine-free loop*: the same width-2 schedule without pipesgd (compute step t, start its all-reduce, wait
+  for step t-1's, on a comm thread for byte codecs as the engine does): what this machine allows; step / loop
+  is the engine's own overhead.
+- *Model* = `pipesgd_hvd.timing` fed with measurements of parts only, never with the training steps it
+  predicts: the link fitted by `fit_link`, each codec's cost from its all-reduce timed alone, compute and its
+  backward share, and the CPU each all-reduce costs a rank as the interference f
+  (`benchmarks/throughput_analysis.py` says how).
+- *CPU per step*, read around each segment: the compute thread and all other threads of a rank
+  (`/proc/self/task`: Horovod's background thread and Gloo's, the pipeline's comm thread, which runs the
+  codecs), and how many of the machine's cores were busy (`/proc/stat`; 2.0 = CPU-bound).
+
+{blocks}
 
 ![speed-up over Horovod](img/throughput.png)
+
+Bars: measured speed-up over Horovod's synchronous optimizer; black marks: the model's.
+
+### What the numbers say
+
+{findings(launches)}
+
+### Targets
+
+{targets_block(found)}
+
+{profile_block(four_x)}
+
+{controller_block(args.controller_check, pair) if pair else ""}
 """
-    write_section("throughput", text)
+    if not args.no_doc:
+        write_section("throughput", text)
     print(text)
 
 

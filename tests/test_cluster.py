@@ -11,8 +11,24 @@ import pytest
 
 from benchmarks.cluster.netns import Cluster, leftover_namespaces
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-                                reason="needs root and iproute2 (ip netns, tc) to create network namespaces")
+
+def _why_no_netns() -> str:
+    """Why this machine cannot host the emulated cluster ('' if it can)."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    if missing:
+        return f"needs iproute2 and util-linux ({', '.join(missing)} not found)"
+    # Root inside a container may still lack CAP_SYS_ADMIN: try an anonymous network namespace
+    # (nothing named, nothing left behind).
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    return ""
+
+
+WHY_NOT = _why_no_netns()
+pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
 
 
 def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
@@ -63,12 +79,13 @@ def test_tear_down_after_an_error_and_after_sigterm():
             raise RuntimeError("the benchmark failed")
     assert leftover_namespaces(prefix) == []
 
+    prefix = f"psgdt{os.getpid() % 100000}"  # unique: another test run may hold its own cluster
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from benchmarks.cluster.netns import Cluster\n"
-        "with Cluster(2, prefix='psgdterm') as c:\n print('UP', flush=True); time.sleep(60)")],
+        f"with Cluster(2, prefix='{prefix}') as c:\n print('UP', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert holder.stdout.readline().strip() == "UP"
-    assert leftover_namespaces("psgdterm"), "the cluster is up"
+    assert leftover_namespaces(prefix), "the cluster is up"
     holder.send_signal(signal.SIGTERM)
     holder.wait(timeout=30)
-    assert leftover_namespaces("psgdterm") == []
+    assert leftover_namespaces(prefix) == []

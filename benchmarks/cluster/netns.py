@@ -87,17 +87,15 @@ class Cluster:
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for i in range(self.hosts):
-            ns, host_end, switch_end = self.namespace(i), f"{self.prefix}h{i}", f"{self.prefix}s{i}"
+            ns, switch_end = self.namespace(i), f"h{i}"
             _ip("netns", "add", ns)
             self.created.append(ns)
-            # The pair is born in the root namespace (names <= 15 chars) and moved at once.
-            _ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
-            _ip("link", "set", host_end, "netns", ns)
-            _ip("link", "set", switch_end, "netns", self.switch)
+            # Each end is born inside its namespace, so no interface ever appears in the root
+            # namespace (nothing to clean up there if we are killed halfway).
+            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", switch_end, "netns", self.switch)
             _ip("-n", self.switch, "link", "set", switch_end, "master", "br0")
             _ip("-n", self.switch, "link", "set", switch_end, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", host_end, "name", "eth0")
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _sh(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", self.rate,

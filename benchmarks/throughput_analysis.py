@@ -1,0 +1,273 @@
+"""Analysis of one throughput launch: medians, bounds, the timing model's predictions, targets.
+
+Input: the JSON a launch of ``benchmarks/throughput_worker.py`` prints. Every number here is
+derived from it; nothing is assumed about the machine.
+
+The model (``pipesgd_hvd.timing``) gets only measurements of parts, never of the training steps
+it predicts:
+
+* the link (alpha, bandwidth, gamma) from ``fit_link`` on float32 all-reduces of three sizes
+  timed alone and one float32 add of the gradient (gamma);
+* each codec's cost c from our compressed all-reduce timed alone, less the wire time the fitted
+  link gives it, per byte of the model's ``(N-1)/N M c`` term: all our all-reduce spends beyond
+  a ring on the compressed bytes (the codec work, and Horovod's alltoall and allgather being
+  slower per byte than its all-reduce). One size: a two-size fit (``fit_codec``) drops the fixed
+  cost per call, which is not small here, and the model has no term for it;
+* the compute time (forward + backward + update) and its backward share, timed alone;
+* the interference f per codec (``pipelined_iteration_time``): with one core per rank, the CPU
+  time X an all-reduce costs the rank (all threads, timed alone) is taken from compute when the
+  two run side by side, so ``l_comm f/(1+f) = X``, X scaled to wall time by the share of a core
+  the rank got for compute alone (other jobs took the rest);
+* Horovod's overlap h (``sync_iteration_time``): its reductions start as each layer's gradient
+  is ready, so at most the backward pass after the first layer, ``(L-1)/L`` of it, can hide
+  communication: ``h = min((L-1)/L, bwd (L-1)/L / l_AR)``. Width 1 with one bucket hides nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from pipesgd_hvd.timing import (CODECS as MODEL_CODECS, CodecParams, LinkParams, compressed_allreduce_time,
+                                fit_link, pipelined_iteration_time, ring_allreduce_time,
+                                sync_iteration_time)
+
+from .throughput_worker import CODECS, TRAINING
+
+LABELS = {"horovod": "Horovod DistributedOptimizer (sync)", "w1": "pipesgd width 1",
+          "w1-layer": "pipesgd width 1, one bucket per layer", "w2": "pipesgd width 2",
+          **{f"w2-{c}": f"pipesgd width 2 + {c}{' (EF)' if c == 'int8' else ''}" for c in CODECS}}
+
+
+def codec_of(key: str) -> str:
+    """The codec a configuration sends: 'none' for float32 (Horovod, width 1, width 2)."""
+    return key[3:] if key.startswith("w2-") else "none"
+
+
+@dataclass
+class Launch:
+    """One launch's results, reduced to the slowest rank per sample."""
+
+    hosts: int
+    rate: str
+    batch: int
+    raw: Dict[str, Any]
+    waited: float = 0.0         # seconds the driver waited for other jobs before the launch
+    busy_at_start: float = 0.0  # cores other jobs kept busy just before it
+
+    @property
+    def ranks(self) -> int:
+        return int(self.raw["ranks"])
+
+    @property
+    def grad_bytes(self) -> int:
+        return int(self.raw["grad_bytes"])
+
+    def samples(self, key: str) -> List[float]:
+        """Per sample, the slowest rank's value (every rank runs the same samples in order)."""
+        per_rank = [r["samples"][key] for r in self.raw["per_rank"] if key in r["samples"]]
+        return [max(v) for v in zip(*per_rank)]
+
+    def median(self, key: str) -> float:
+        return statistics.median(self.samples(key))
+
+    def mean_median(self, key: str) -> float:
+        """Mean over ranks of each rank's median (CPU times: each rank bills its own)."""
+        return statistics.mean(statistics.median(r["samples"][key]) for r in self.raw["per_rank"])
+
+    def cpu_per_step(self, key: str) -> Tuple[float, float]:
+        """(main thread, other threads) CPU seconds per step of a training segment."""
+        return self.mean_median(f"cpu-main/{key}"), self.mean_median(f"cpu-other/{key}")
+
+    def machine_cores(self, key: str) -> float:
+        """Cores the whole machine kept busy during a segment (2.0: both, CPU-bound)."""
+        per_step = statistics.median(self.raw["per_rank"][0]["samples"][f"cpu-machine/{key}"])
+        return per_step / self.median(key)
+
+    def loop(self, key: str) -> float:
+        """The engine-free pipelined loop with this configuration's codec (width-2 rows)."""
+        return self.median(f"loop-{codec_of(key)}")
+
+    def core_share(self) -> float:
+        """CPU seconds per second a rank got while computing alone (1.0: a whole core)."""
+        return min(1.0, sum(self.cpu_per_step("compute")) / self.compute)
+
+    def comm_cpu(self, codec: str) -> float:
+        """CPU seconds (all threads) one all-reduce of ``codec`` costs a rank, timed alone."""
+        return self.mean_median(f"cpu/comm-{codec}")
+
+
+    @property
+    def compute(self) -> float:
+        return self.median("compute")
+
+    def comm(self, codec: str) -> float:
+        """The all-reduce alone: float32 (Horovod's op) or our compressed one."""
+        return self.median(f"comm-{codec}")
+
+    def bound(self, key: str) -> float:
+        """max(compute, communication): what any schedule of this step can reach at best."""
+        return max(self.compute, self.comm(codec_of(key)))
+
+    def horovod_hidden(self) -> float:
+        """Share of the float32 all-reduce Horovod's sync step hid behind its backward pass."""
+        return (self.compute + self.comm("none") - self.median("horovod")) / self.comm("none")
+
+    def foreign_share(self) -> float:
+        """Share of the machine's busy CPU time during the launch that was not our ranks'."""
+        ours = sum(r["our_cpu_s"] for r in self.raw["per_rank"])
+        busy = self.raw["per_rank"][0]["machine_busy_s"]
+        return max(0.0, 1.0 - ours / busy) if busy > 0 else 0.0
+
+
+@dataclass
+class Model:
+    link: LinkParams
+    codecs: Dict[str, CodecParams]
+    interference: Dict[str, float]
+    overlap: float
+    comm: Dict[str, float]          # predicted all-reduce per codec
+    step: Dict[str, float]          # predicted step per training configuration
+
+
+def interference(launch: Launch, codec: str, comm: float) -> float:
+    """f such that ``pipelined_iteration_time`` adds the all-reduce's CPU time (as wall time at
+    this rank's core share) to compute: ``comm f/(1+f) = X``."""
+    delay = launch.comm_cpu(codec) / launch.core_share()
+    share = min(0.95, delay / max(comm, 1e-9))
+    return share / (1.0 - share)
+
+
+def fit_model(launch: Launch) -> Model:
+    n, m = launch.ranks, launch.grad_bytes
+    quarter_bytes = (m // 4 // 4) * 4
+    link = fit_link([(n, m, launch.median("comm-none")), (n, quarter_bytes, launch.median("comm-none-quarter")),
+                     (n, 1024, launch.median("ar-small")), (n, m, launch.median("add"), "reduce")])
+    share = (n - 1) / n
+    codecs: Dict[str, CodecParams] = {"none": MODEL_CODECS["none"]}
+    for c in CODECS:
+        free = MODEL_CODECS[c]  # cost 0: what the wire alone takes
+        rest = max(0.0, launch.comm(c) - compressed_allreduce_time(n, m, link, free))
+        codecs[c] = dataclasses.replace(free, cost_per_byte=rest / (share * m))
+    layers = int(launch.raw["layers"])
+    comm = {c: compressed_allreduce_time(n, m, link, p) for c, p in codecs.items()}
+    comm["none"] = ring_allreduce_time(n, m, link)
+    hidden_part = launch.median("backward") * (layers - 1) / layers
+    overlap = min((layers - 1) / layers, hidden_part / comm["none"])
+    f = {c: interference(launch, c, comm[c]) for c in ("none", *CODECS)}
+    compute = launch.compute
+    step = {"horovod": sync_iteration_time(compute, comm["none"], overlap),
+            "w1": sync_iteration_time(compute, comm["none"], 0.0),
+            "w1-layer": sync_iteration_time(compute, comm["none"], overlap),
+            "w2": pipelined_iteration_time(compute, comm["none"], f["none"]),
+            **{f"w2-{c}": pipelined_iteration_time(compute, comm[c], f[c]) for c in CODECS}}
+    return Model(link, codecs, f, overlap, comm, step)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    met: bool
+    measured: str
+    cause: str = ""
+
+
+def speedup(launch: Launch, key: str) -> float:
+    return launch.median("horovod") / launch.median(key)
+
+
+def closest(launches: List[Launch], ratio: float) -> Optional[Launch]:
+    """The 2-host launch whose measured comm/compute is closest to ``ratio`` (log scale)."""
+    import math
+
+    two = [la for la in launches if la.hosts == 2]
+    if not two:
+        return None
+    return min(two, key=lambda la: abs(math.log(la.comm("none") / la.compute / ratio)))
+
+
+def phase_rates(launch: Launch) -> Dict[str, float]:
+    """Bits per second each rank sent: Horovod's float32 all-reduce (2 (N-1)/N of the gradient),
+    its alltoall and allgather of int8-sized chunks ((N-1) chunks each), and a plain TCP exchange
+    of one chunk each way between ranks 0 and 1 (the link's own full-duplex rate)."""
+    n, row = launch.ranks, launch.raw["row_bytes"]
+    rates = {"float32 all-reduce": 2 * (n - 1) / n * launch.grad_bytes / launch.comm("none"),
+             "alltoall": (n - 1) * row / launch.median("a2a-int8"),
+             "allgather": (n - 1) * row / launch.median("ag-int8")}
+    if any("tcp-exchange" in r["samples"] for r in launch.raw["per_rank"]):
+        rates["plain TCP"] = row / launch.median("tcp-exchange")
+    return {k: v * 8 for k, v in rates.items()}
+
+
+def cause(launch: Launch, key: str) -> str:
+    """The measured reason a pipelined step is slower than wanted: the rank's one core when
+    compute plus the all-reduce's CPU exceeds the all-reduce, else the all-reduce itself."""
+    codec = codec_of(key)
+    main, other = launch.cpu_per_step(key)
+    x = launch.comm_cpu(codec)
+    loop = (f"the engine-free loop took {launch.loop(key) * 1e3:.0f} ms (engine / loop = "
+            f"{launch.median(key) / launch.loop(key):.2f})")
+    cpu_bound = launch.compute + x / launch.core_share()
+    if cpu_bound > launch.comm(codec):
+        return (f"CPU: {loop}; the all-reduce alone costs the rank {x * 1e3:.0f} ms CPU (codec + transport), which "
+                f"compute loses on the rank's one core: compute + that = {cpu_bound * 1e3:.0f} ms vs bound "
+                f"{launch.bound(key) * 1e3:.0f} ms; in training the threads beside compute used {other * 1e3:.0f} ms "
+                f"CPU per step (compute thread {main * 1e3:.0f} ms), the machine {launch.machine_cores(key):.1f} cores")
+    rates = phase_rates(launch)
+    text = (f"the all-reduce: {loop}, the {codec} all-reduce alone {launch.comm(codec) * 1e3:.0f} ms, of which "
+            f"{x * 1e3:.0f} ms CPU on the rank (codec + transport). Its alltoall and allgather moved "
+            f"{rates['alltoall'] / 1e6:.0f} and {rates['allgather'] / 1e6:.0f} Mbit/s per rank, Horovod's float32 "
+            f"all-reduce {rates['float32 all-reduce'] / 1e6:.0f}")
+    if "plain TCP" in rates:
+        text += f", plain TCP both ways {rates['plain TCP'] / 1e6:.0f}"
+    return text + f" (link {launch.rate})"
+
+
+def model_cause(launch: Launch, model: Model, key: str) -> str:
+    """What the model assumed for ``key``, next to what was measured."""
+    step = launch.median(key) * 1e3
+    if not key.startswith("w2"):
+        hidden = (launch.compute + launch.comm("none") - launch.median(key)) / launch.comm("none")
+        h = 0.0 if key == "w1" else model.overlap
+        return (f"{LABELS[key]} {step:.0f} ms vs compute + (1 - h) all-reduce = {model.step[key] * 1e3:.0f} ms: the "
+                f"model hides h = {h:.0%} of the all-reduce, the step hid {hidden:.0%}")
+    codec = codec_of(key)
+    return (f"{LABELS[key]} {step:.0f} ms vs max(all-reduce {model.comm[codec] * 1e3:.0f}, compute "
+            f"{launch.compute * 1e3:.0f} + its CPU {launch.comm_cpu(codec) * 1e3:.0f}) = {model.step[key] * 1e3:.0f} ms "
+            f"(engine-free loop {launch.loop(key) * 1e3:.0f} ms)")
+
+
+def targets(launches: List[Launch], models: Mapping[int, Model]) -> List[Target]:
+    out: List[Target] = []
+    for i, la in enumerate(launches):
+        where = f"{la.hosts} hosts, {la.rate}"
+        for key in (k for k in TRAINING if k.startswith("w2")):
+            eff = la.bound(key) / la.median(key)
+            out.append(Target(f"{where}: {LABELS[key]} within 10% of max(compute, comm)", eff >= 1 / 1.1,
+                              f"bound / step = {eff:.0%}", "" if eff >= 1 / 1.1 else cause(la, key)))
+        model = models[i]
+        ratios = {key: la.median(key) / model.step[key] for key in TRAINING}
+        missed = [key for key, r in ratios.items() if abs(r - 1) > 0.15]
+        worst = max(ratios, key=lambda k: abs(ratios[k] - 1))
+        out.append(Target(f"{where}: every configuration within 15% of the model", not missed,
+                          f"{len(TRAINING) - len(missed)} of {len(TRAINING)}; furthest: {LABELS[worst]}, step / model = "
+                          f"{ratios[worst]:.2f}", "; ".join(model_cause(la, model, key) for key in missed)))
+    one = closest(launches, 1.0)
+    if one is not None:
+        s = speedup(one, "w2")
+        out.append(Target(f"comm ≈ compute ({one.rate}): width 2 >= 1.25x over Horovod", s >= 1.25, f"{s:.2f}x",
+                          "" if s >= 1.25 else cause(one, "w2")))
+    four = closest(launches, 4.0)
+    if four is not None:
+        s = speedup(four, "w2-int8")
+        out.append(Target(f"comm ≈ 4x compute ({four.rate}): width 2 + int8 (EF) >= 3x over Horovod", s >= 3.0,
+                          f"{s:.2f}x", "" if s >= 3.0 else cause(four, "w2-int8")))
+    quarter = closest(launches, 0.25)
+    if quarter is not None:
+        r = quarter.median("w1") / quarter.median("horovod")
+        out.append(Target(f"comm not the bottleneck ({quarter.rate}): width 1 within 3% of Horovod", r <= 1.03,
+                          f"width 1 / Horovod = {r:.3f}",
+                          "" if r <= 1.03 else (f"Horovod hid {quarter.horovod_hidden():.0%} of its all-reduce; width 1 "
+                                                f"with one bucket per layer: {quarter.median('w1-layer') / quarter.median('horovod'):.3f} of Horovod")))
+    return out

@@ -1,0 +1,383 @@
+"""One rank of the throughput benchmark (``benchmarks/throughput.py`` starts it on every host).
+
+Everything that is compared is measured in this one launch, interleaved in rounds, so that the
+load of the shared machine hits all configurations alike. Per round:
+
+* training segments, one per configuration (compute only, Horovod's ``DistributedOptimizer``,
+  pipesgd width 1 / 2 / 2 + codec): one untimed step (refills a flushed pipeline), ``steps``
+  timed steps, ``flush()``; each rank's CPU time per thread is read around the segment;
+* the collectives alone: float32 all-reduce of the gradient and of a quarter of it, a small one
+  (latency), allgather and alltoall of int8-sized uint8 rows, our compressed all-reduce per codec,
+  with the CPU time each costs the rank (all its threads): on a core shared with compute, that
+  is time compute loses when the collective runs beside it;
+* a float32 add of the gradient (the reduction cost gamma).
+
+Rank 0 prints one JSON line (``MARKER``) holding every rank's samples; the driver analyses it.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+MARKER = "THROUGHPUT_RESULT "
+CODECS = ("fp16", "bf16", "truncate16", "int8")
+# "w1-layer": width 1 with one bucket per layer, as Horovod's per-tensor reductions; the default
+# 64 MiB threshold puts the whole gradient in one bucket, which starts only after the backward pass.
+TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS))
+# "loop-<codec>": the pipelined schedule without the engine: compute step t, start its all-reduce,
+# wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
+# machine allows a width-2 pipeline; the engine's own overhead is the difference.
+LOOPS = tuple(f"loop-{c}" for c in ("none", *CODECS))
+SEGMENTS = ("compute", *TRAINING, *LOOPS)
+# --quick (the controller comparison): enough to see what the launcher does to compute and comm.
+QUICK = ("compute", "horovod", "w2")
+
+
+class ThreadClock:
+    """CPU seconds of this process's main thread and of all its other threads (Horovod's
+    background thread, Gloo's, the pipeline's comm thread), from /proc: where a step's CPU goes."""
+
+    def __init__(self) -> None:
+        self._main = str(threading.main_thread().native_id)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def read(self) -> Tuple[float, float]:
+        main = other = 0.0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # the thread ended meanwhile
+                continue
+            cpu = (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
+            if tid == self._main:
+                main += cpu
+            else:
+                other += cpu
+        return main, other
+
+
+def machine_busy() -> Tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (/proc/stat): with our own CPU time
+    it tells how much of the two cores other jobs took during the run."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = v[3] + v[4]
+    return (sum(v) - idle) / tick, sum(v) / tick
+
+
+class RankBench:
+    """This rank's side of one launch: the models, the timed segments and collectives, the samples."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import horovod.torch as hvd
+        import torch
+
+        from pipesgd_hvd.comm.horovod_torch import HorovodTorchCommunicator
+        from pipesgd_hvd.compression import resolve_compression
+
+        hvd.init()
+        torch.set_num_threads(1)
+        torch.manual_seed(hvd.rank())
+        self.args, self.hvd, self.torch = args, hvd, torch
+        self.x = torch.randn(args.batch, args.dim)
+        self.segments = QUICK if args.quick else SEGMENTS
+        self.runs = {key: self._make(key) for key in ("compute", *TRAINING) if key in self.segments or key == "compute"}
+        self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
+        self.flat = torch.randn(self.numel)
+        self.comm = HorovodTorchCommunicator()
+        self.codecs = {c: resolve_compression(c) for c in CODECS}
+        self.clock = ThreadClock()
+        self.samples: Dict[str, List[float]] = {}
+        self._calls = 0
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-comm")
+
+    # ------------------------------------------------------------------------------ plumbing
+    def _make(self, key: str) -> Tuple[Any, Any]:
+        import pipesgd_hvd.torch as psgd
+
+        torch, args = self.torch, self.args
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
+        inner = torch.optim.SGD(model.parameters(), lr=1e-6)
+        if key == "compute":
+            return model, inner
+        if key == "horovod":
+            return model, self.hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+        width, _, codec = key[1:].partition("-")
+        extra = {}
+        if codec == "layer":
+            extra["fusion_threshold_mb"] = (args.dim * args.dim + args.dim) * 4 / 2**20
+        codec = "none" if codec in ("", "layer") else codec
+        return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width=int(width),
+                                                compression=getattr(psgd.Compression, codec), **extra)
+
+    def record(self, key: str, value: float) -> None:
+        self.samples.setdefault(key, []).append(value)
+
+    def uid(self, tag: str) -> str:
+        """A fresh collective name. Horovod matches collectives by name (in-flight names must
+        differ), so every rank must draw names in the same order: only the main thread draws."""
+        self._calls += 1
+        return f"bench.{tag}.{self._calls}"
+
+    def barrier(self) -> None:
+        self.hvd.allreduce(self.torch.zeros(1), name=self.uid("barrier"))
+
+    @staticmethod
+    def timed(fn: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def billed(self, key: str) -> Iterator[None]:
+        """CPU per step of a segment: this rank's threads, and the whole machine (which also holds
+        the kernel's network work and other jobs)."""
+        cpu0, busy0 = self.clock.read(), machine_busy()[0]
+        yield
+        cpu1, busy1 = self.clock.read(), machine_busy()[0]
+        self.record(f"cpu-main/{key}", (cpu1[0] - cpu0[0]) / self.args.steps)
+        self.record(f"cpu-other/{key}", (cpu1[1] - cpu0[1]) / self.args.steps)
+        self.record(f"cpu-machine/{key}", (busy1 - busy0) / self.args.steps)
+
+    # ------------------------------------------------------------------------------ training
+    def step(self, model: Any, opt: Any, split: bool = False) -> None:
+        opt.zero_grad()
+        t0 = time.perf_counter()
+        loss = model(self.x).square().mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        if split:
+            self.record("forward", t1 - t0)
+            self.record("backward", t2 - t1)
+            self.record("update", time.perf_counter() - t2)
+
+    def segment(self, key: str) -> None:
+        """``steps`` timed steps of one configuration."""
+        if key.startswith("loop-"):
+            return self.loop(key, key[len("loop-"):])
+        model, opt = self.runs[key]
+        self.step(model, opt)  # untimed: refills the pipeline flushed at the end of the last segment
+        with self.billed(key):
+            for _ in range(self.args.steps):
+                self.record(key, self.timed(lambda: self.step(model, opt, split=key == "compute")))
+        if hasattr(opt, "flush"):
+            opt.flush()  # nothing of this configuration stays on the wire during the next one
+        self.barrier()
+
+    def loop(self, key: str, codec: str) -> None:
+        """The pipelined schedule without the engine: step t computes while step t-1's all-reduce
+        runs, started as the engine starts it (Horovod's thread; a comm thread for byte codecs)."""
+        model, opt = self.runs["compute"]
+        slots = [self.flat.clone(), self.flat.clone()]  # the engine's two buffers: step t's, t-1's
+        self.step(model, opt)
+        pending = self.start(codec, slots[0])  # untimed: fills the pipeline
+        with self.billed(key):
+            for i in range(self.args.steps):
+                start = time.perf_counter()
+                self.step(model, opt)
+                started = self.start(codec, slots[(i + 1) % 2])
+                pending()
+                pending = started
+                self.record(key, time.perf_counter() - start)
+        pending()
+        self.barrier()
+
+    # --------------------------------------------------------------------------- collectives
+    def compressed(self, codec: str, values: Any, name: str) -> Any:
+        from pipesgd_hvd.compression.allreduce import compressed_allreduce
+        from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+
+        return compressed_allreduce(TORCH_OPS, self.comm, self.codecs[codec], values, name=name, key=name.split(".")[1],
+                                    seed=0)
+
+    def start(self, codec: str, values: Any) -> Callable[[], Any]:
+        """Starts one all-reduce the way the engine does; returns its wait."""
+        from pipesgd_hvd.comm.base import ReduceOp
+
+        if codec == "none":
+            return self.comm.allreduce_async_(values, self.uid("loop"), ReduceOp.AVERAGE).wait
+        name = self.uid(codec)
+        return self.pool.submit(self.compressed, codec, values, name).result
+
+    def collectives(self) -> Dict[str, Callable[[], Any]]:
+        """The collectives timed alone: float32 all-reduces of three sizes (through the
+        communicator, which waits as the engine does: a sleeping poll, where Horovod's own
+        synchronize() spins and would bill its spin as communication CPU), the int8 chunks'
+        alltoall and allgather, and our compressed all-reduce per codec."""
+        from pipesgd_hvd.comm.base import ReduceOp
+
+        comm, uid, n = self.comm, self.uid, self.hvd.size()
+        rows = self.torch.zeros(n, self.row_bytes, dtype=self.torch.uint8)
+
+        def float32(values: Any, tag: str) -> Callable[[], Any]:
+            # in place on a buffer of its own: repeated averaging changes the values, not the time
+            return lambda: comm.allreduce_async_(values, uid(tag), ReduceOp.AVERAGE).wait()
+
+        def compressed(codec: str) -> Callable[[], Any]:
+            return lambda: self.compressed(codec, self.flat, uid(codec))
+
+        return {"comm-none": float32(self.flat.clone(), "ar"),
+                "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
+                "ar-small": float32(self.torch.zeros(256), "ars"),
+                "ag-int8": lambda: comm.allgather_async(rows[:1], uid("ag")).wait(),
+                "a2a-int8": lambda: comm.alltoall_async(rows, uid("a2a")).wait(),
+                **{f"comm-{c}": compressed(c) for c in CODECS}}
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one rank's int8 chunk (codes and a float32 scale per 512 values)."""
+        return self.codecs["int8"].padded_cols(-(-self.numel // self.hvd.size())) * 516 // 512
+
+    def alone(self, key: str, fn: Callable[[], Any]) -> None:
+        """A collective alone: its time, and the CPU it costs this rank (all threads), which it
+        would take from compute on a shared core."""
+        cpu0 = sum(self.clock.read())
+        self.record(key, self.timed(fn))
+        self.record(f"cpu/{key}", sum(self.clock.read()) - cpu0)
+
+    def codec_round_trips(self) -> None:
+        """Each codec's cost on one rank, no communication: encode + decode of the gradient."""
+        from pipesgd_hvd.compression import resolve_compression
+        from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+
+        for c in CODECS:
+            codec = resolve_compression(c)
+            rows = self.torch.zeros(self.hvd.size(), codec.padded_cols(-(-self.numel // self.hvd.size())))
+            rows.view(-1)[: self.numel] = self.flat
+            for _ in range(self.args.comm_reps + 1):
+                self.record(f"codec-{c}", self.timed(
+                    lambda: codec.decode(TORCH_OPS, *codec.encode(TORCH_OPS, rows, key="k", seed=0))))
+
+    # ----------------------------------------------------------------------------------- run
+    def run(self) -> None:
+        args, hvd, segments = self.args, self.hvd, self.segments
+        collectives = self.collectives()
+        if args.quick:
+            collectives = {"comm-none": collectives["comm-none"]}
+        tcp = TcpPair(hvd, enabled=not args.quick)
+        summand, acc = self.torch.randn(self.numel), self.torch.zeros(self.numel)
+        busy0, our0 = machine_busy(), sum(self.clock.read())
+        for r in range(args.rounds):
+            # A different configuration goes first each round: none always meets the warm-up after
+            # the previous round's collectives.
+            for key in segments[r % len(segments):] + segments[: r % len(segments)]:
+                self.segment(key)
+            for _ in range(args.comm_reps):
+                for key, fn in collectives.items():
+                    self.alone(key, fn)
+                tcp.exchange(self.row_bytes, self.record)
+                self.record("add", self.timed(lambda: acc.add_(summand)))  # gamma: one float32 add
+            self.barrier()
+        busy1, our1 = machine_busy(), sum(self.clock.read())
+        self.pool.shutdown()
+        tcp.close()
+        profile: List[Tuple[str, float, int]] = []
+        if not args.quick:
+            self.codec_round_trips()
+            profile = profile_int8(hvd, lambda: self.compressed("int8", self.flat, self.uid("int8")))
+        mine = {"samples": self.samples, "our_cpu_s": our1 - our0, "machine_busy_s": busy1[0] - busy0[0],
+                "machine_total_s": busy1[1] - busy0[1]}
+        everyone = hvd.allgather_object(mine, name="bench.result")
+        if hvd.rank() == 0:
+            wire = {key: self.runs[key][1].stats.ratio for key in TRAINING if key != "horovod" and key in self.runs}
+            result = {"ranks": hvd.size(), "grad_bytes": self.numel * 4, "layers": args.layers,
+                      "row_bytes": self.row_bytes, "per_rank": everyone, "wire_ratio": wire, "int8_profile": profile}
+            sys.stdout.write(MARKER + json.dumps(result) + "\n")
+            sys.stdout.flush()
+
+
+class TcpPair:
+    """A plain TCP connection between ranks 0 and 1 over the same link: the control for
+    Horovod's collectives. Both send ``nbytes`` at once, as an alltoall of two ranks does."""
+
+    PORT = 18800
+
+    def __init__(self, hvd: Any, enabled: bool = True) -> None:
+        import socket
+
+        import torch
+
+        self.hvd, self.zero = hvd, torch.zeros(1)
+        self.sock: Any = None
+        self.enabled = enabled
+        if not enabled:
+            return
+        # Our cluster gives each host a UTS namespace whose host name is its address.
+        host0 = hvd.allgather_object(socket.gethostname(), name="bench.tcp.hosts")[0]
+        if hvd.size() < 2:
+            return  # one rank alone: no pair, nothing timed
+        server = socket.create_server((host0, self.PORT)) if hvd.rank() == 0 else None
+        hvd.allreduce(self.zero, name="bench.tcp.listening")
+        if server is not None:
+            self.sock = server.accept()[0]
+            server.close()
+        elif hvd.rank() == 1:
+            self.sock = socket.create_connection((host0, self.PORT), timeout=60)
+        if self.sock is not None:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def exchange(self, nbytes: int, record: Callable[[str, float], None]) -> None:
+        if not self.enabled:
+            return
+        self.hvd.allreduce(self.zero, name="bench.tcp.go")  # both start together
+        if self.sock is None:
+            return
+        got = [0]
+
+        def receive() -> None:
+            while got[0] < nbytes:
+                got[0] += len(self.sock.recv(min(1 << 20, nbytes - got[0])))
+
+        start = time.perf_counter()
+        reader = threading.Thread(target=receive)
+        reader.start()
+        self.sock.sendall(bytes(nbytes))
+        reader.join()
+        record("tcp-exchange", time.perf_counter() - start)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
+def profile_int8(hvd: Any, allreduce: Callable[[], Any]) -> List[Tuple[str, float, int]]:
+    """torch.profiler's self-CPU table of one int8 compressed all-reduce on rank 0 (every rank
+    runs the collective): which tensor ops the codec's time goes to. (name, ms, calls), top 8."""
+    from torch.profiler import ProfilerActivity, profile
+
+    allreduce()  # warm
+    if hvd.rank() != 0:
+        allreduce()
+        return []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        allreduce()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    return [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in rows]
+
+
+def main(argv: List[str]) -> None:
+    parser = argparse.ArgumentParser(description="one rank of benchmarks/throughput.py")
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--comm-reps", type=int, required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--dim", type=int, required=True)
+    parser.add_argument("--layers", type=int, required=True)
+    parser.add_argument("--quick", action="store_true", help="compute, Horovod, width 2 and the all-reduce only")
+    RankBench(parser.parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

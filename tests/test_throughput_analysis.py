@@ -1,0 +1,86 @@
+"""The throughput benchmark's analysis (benchmarks/throughput_analysis.py) on a made-up launch
+whose numbers are chosen by hand: bounds, the timing model's inputs and predictions, the targets
+and the cause it names. No cluster, no root: the cluster itself is tests/test_cluster.py."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.throughput_analysis import Launch, cause, fit_model, phase_rates, speedup, targets
+from benchmarks.throughput_worker import CODECS, LOOPS, TRAINING
+
+GRAD = 16_000_000          # bytes of float32 gradient
+ROW = GRAD // 4 // 2       # an int8-sized chunk for 2 ranks (scales left out: round numbers)
+
+
+def made_up(step: dict, comm: dict, comm_cpu: dict, compute: float = 0.2) -> Launch:
+    """A 2-rank launch: rank 1 is always the slower by 1 ms, CPU numbers equal on both ranks."""
+    med = {"compute": compute, "forward": 0.07, "backward": 0.12, "update": 0.01, "add": GRAD * 0.2e-9,
+           "ar-small": 0.002, "comm-none-quarter": comm["none"] / 4 + 0.0015, "a2a-int8": 0.1, "ag-int8": 0.1,
+           "tcp-exchange": 0.05, **step, **{f"comm-{c}": t for c, t in comm.items()},
+           **{f"codec-{c}": 0.03 for c in CODECS}, **{f"loop-{c}": step[f"w2-{c}" if c != "none" else "w2"]
+                                                    for c in ("none", *CODECS)}}
+    for key in ("compute", *TRAINING, *LOOPS):
+        med[f"cpu-main/{key}"] = 0.9 * compute
+        med[f"cpu-other/{key}"] = 0.02
+        med[f"cpu-machine/{key}"] = 2 * med[key]
+    med.update({f"cpu/comm-{c}": x for c, x in comm_cpu.items()})
+
+    def rank(extra: float) -> dict:
+        samples = {k: [v + (extra if not k.startswith("cpu") else 0.0)] * 3 for k, v in med.items()}
+        return {"samples": samples, "our_cpu_s": 5.0, "machine_busy_s": 12.5, "machine_total_s": 20.0}
+
+    raw = {"ranks": 2, "grad_bytes": GRAD, "layers": 4, "row_bytes": ROW, "per_rank": [rank(0.0), rank(0.001)],
+           "wire_ratio": {k: 1.0 for k in TRAINING if k != "horovod"}, "int8_profile": []}
+    return Launch(2, "155mbit", 1024, raw)
+
+
+# comm ~4x compute: Horovod hides a little, width 2 sits at the all-reduce, int8 is comm-bound.
+STEP = {"horovod": 0.95, "w1": 1.0, "w1-layer": 0.95, "w2": 0.81, "w2-fp16": 0.6, "w2-bf16": 0.6,
+        "w2-truncate16": 0.6, "w2-int8": 0.49}
+COMM = {"none": 0.8, "fp16": 0.55, "bf16": 0.55, "truncate16": 0.55, "int8": 0.45}
+CPU = {"none": 0.02, "fp16": 0.04, "bf16": 0.04, "truncate16": 0.1, "int8": 0.1}
+
+
+def test_slowest_rank_bound_speedup_and_rates():
+    la = made_up(STEP, COMM, CPU)
+    assert la.median("w2") == pytest.approx(0.811)           # the slower rank's
+    assert la.bound("w2-int8") == pytest.approx(0.451)        # max(compute 0.201, int8 all-reduce 0.451)
+    assert speedup(la, "w2-int8") == pytest.approx(0.951 / 0.491)
+    assert la.horovod_hidden() == pytest.approx((0.201 + 0.801 - 0.951) / 0.801)
+    assert la.foreign_share() == pytest.approx(1 - 10 / 12.5)  # ours: 5 + 5 CPU s of 12.5 busy
+    rates = phase_rates(la)
+    assert rates["alltoall"] == pytest.approx(ROW * 8 / 0.101)
+    assert rates["plain TCP"] == pytest.approx(ROW * 8 / 0.051)
+
+
+def test_model_gets_parts_only_and_reproduces_them():
+    la = made_up(STEP, COMM, CPU)
+    model = fit_model(la)
+    # The link is fitted from the float32 all-reduces and the add; it reproduces them closely.
+    assert model.comm["none"] == pytest.approx(la.comm("none"), rel=0.05)
+    # Each codec's cost makes the model's compressed all-reduce equal the measured one.
+    for c in CODECS:
+        assert model.comm[c] == pytest.approx(la.comm(c), rel=1e-9)
+    # Pipelined, comm-bound: the all-reduce; width 1 with one bucket: compute + all-reduce.
+    assert model.step["w2-int8"] == pytest.approx(la.comm("int8"), rel=1e-9)
+    assert model.step["w1"] == pytest.approx(la.compute + model.comm["none"], rel=1e-9)
+    # Horovod's overlap: (L-1)/L of the backward pass over the all-reduce (3/4 * 0.121 / ~0.8).
+    assert model.overlap == pytest.approx(0.75 * 0.121 / model.comm["none"], rel=1e-9)
+
+
+def test_compute_bound_codec_is_blamed_on_the_cpu_and_comm_bound_on_the_all_reduce():
+    fast = dict(COMM, int8=0.15)                              # int8 all-reduce shorter than compute
+    la = made_up(dict(STEP, **{"w2-int8": 0.32}), fast, CPU)
+    assert cause(la, "w2-int8").startswith("CPU:")            # compute 0.201 + 0.1 CPU > 0.151
+    assert cause(made_up(STEP, COMM, CPU), "w2-int8").startswith("the all-reduce:")
+
+
+def test_targets_name_the_misses():
+    la = made_up(STEP, COMM, CPU)
+    found = {t.name: t for t in targets([la], {0: fit_model(la)})}
+    int8 = next(t for name, t in found.items() if "int8 (EF) >= 3x" in name)
+    assert not int8.met and int8.measured == f"{0.951 / 0.491:.2f}x" and int8.cause
+    width2 = next(t for name, t in found.items() if ">= 1.25x" in name)
+    assert not width2.met  # 0.951 / 0.811 = 1.17x
+    # every pipelined row is within 10% of its bound (int8: 0.451 / 0.491 = 92%)
+    assert all(t.met for name, t in found.items() if "within 10%" in name)
