@@ -12,19 +12,21 @@ the "throughput" section of docs/benchmarks.md and docs/img/throughput.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .throughput_analysis import LABELS, Launch, Model, Target, fit_model, phase_rates, speedup, targets
 from .throughput_worker import CODECS, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "docs" / "img" / "throughput.png"
+RECORD = ROOT / "build" / "throughput.json"
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,21 @@ def hidden_w2(la: Launch) -> float:
     return (la.compute + la.comm("none") - la.median("w2")) / la.comm("none")
 
 
+def share_of_tcp(launches: Sequence[Launch]) -> str:
+    """Each Horovod collective's rate as a share of the plain TCP exchange's, over ``launches``."""
+    shares: Dict[str, List[float]] = {}
+    for la in launches:
+        rates = phase_rates(la)
+        if "plain TCP" not in rates:
+            continue
+        for k in ("float32 all-reduce", "alltoall", "allgather"):
+            shares.setdefault(k, []).append(rates[k] / rates["plain TCP"])
+    if not shares:
+        return ""
+    return ("Against a plain TCP exchange on the same link (both directions at once, as a 2-rank alltoall), "
+            "Horovod's " + ", ".join(f"{k} reached {min(v):.0%}-{max(v):.0%}" for k, v in shares.items()) + ".")
+
+
 def findings(launches: Sequence[Launch]) -> str:
     """What the launches together show, in numbers from this run."""
     import statistics
@@ -171,6 +188,7 @@ def findings(launches: Sequence[Launch]) -> str:
     cpu = ", ".join(f"{c} {ms(statistics.median(la.comm_cpu(c) for la in two))}" for c in ("none", *CODECS))
     busy = [la.machine_cores(k) for la in two for k in TRAINING if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
     rates = "; ".join(f"{la.rate}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in phase_rates(la).items()) for la in two)
+    slow = max(two, key=lambda la: la.comm("none") / la.compute) if two else None
     lines = [
         f"- **Engine overhead.** In the {len(ratios)} width-2 rows the engine's step was {min(ratios):.2f}-"
         f"{max(ratios):.2f}x (median {statistics.median(ratios):.2f}) that of the same schedule without the engine "
@@ -184,9 +202,11 @@ def findings(launches: Sequence[Launch]) -> str:
         f"ms): {cpu}. Compute owns the core, so that CPU is taken from it: a pipelined step cannot beat compute + "
         "that CPU, whatever the link" + (f"; the machine was {min(busy):.1f}-{max(busy):.1f} cores busy in the "
                                           "pipelined rows that missed their bound." if busy else "."),
-        f"- **The compressed all-reduce's wire.** Sent per rank, Mbit/s: {rates}. Horovod's (Gloo) alltoall and "
-        "allgather, which carry the byte codecs, move fewer bits per second than its float32 all-reduce and than a "
-        "plain TCP exchange on the same link, so a codec that halves the bytes does not halve the time.",
+        f"- **The compressed all-reduce's wire.** Sent per rank, Mbit/s: {rates}. "
+        + share_of_tcp(two)
+        + (f" At {slow.rate} the int8 all-reduce took {ms(slow.comm('int8'))} ms against {ms(slow.comm('none'))} ms "
+           f"for float32: {slow.comm('none') / slow.comm('int8'):.1f}x faster for "
+           f"{1 / slow.raw['wire_ratio']['w2-int8']:.1f}x fewer bytes." if slow else ""),
     ]
     for la in (x for x in launches if x.hosts > 2):
         ref = min(two, key=lambda t: abs(t.comm("none") / t.compute - la.comm("none") / la.compute)) if two else None
@@ -244,28 +264,9 @@ def plot(settings: Sequence[Setting], launches: Sequence[Launch], models: Sequen
     fig.savefig(path, dpi=110)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
-    parser.add_argument("--comm-reps", type=int, default=1, help="collective timings per round")
-    parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    # RATE:BATCH per 2-host launch, aimed at comm ~0.25x, ~1x and ~4x compute (each launch reports
-    # the ratio it measured).
-    parser.add_argument("--settings", nargs="+", default=["5gbit:1024", "620mbit:1024", "155mbit:1024"])
-    parser.add_argument("--four-hosts", default="620mbit:512", help="RATE:BATCH of the 4-host launch ('' skips it)")
-    parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
-    parser.add_argument("--controller-check", default="620mbit:1024",
-                        help="RATE:BATCH of two short launches, Gloo then MPI controller ('' skips them)")
-    parser.add_argument("--launch-timeout", type=float, default=600)
-    parser.add_argument("--max-quiet-wait", type=float, default=45,
-                        help="seconds to wait before each launch for other jobs to leave the cores idle")
-    parser.add_argument("--no-doc", action="store_true", help="print the section, leave docs/ alone")
-    args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        sys.exit("benchmarks.throughput creates network namespaces: run it as root")
-    from .report import machine_line, write_section
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
+    """Runs every launch; returns the raw record that :func:`render` turns into the section."""
+    from .report import machine_line
 
     aims = ("aimed at comm ~0.25x compute", "aimed at comm ~1x compute", "aimed at comm ~4x compute")
     settings = [Setting.parse(2, spec, aims[i] if i < len(aims) else "") for i, spec in enumerate(args.settings)]
@@ -278,20 +279,32 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.controller_check:
         check = Setting.parse(2, args.controller_check, "controller check")
         pair = [run_launch(check, args, controller, quick=True) for controller in ("gloo", "mpi")]
-    elapsed = time.perf_counter() - start
-    load_after = os.getloadavg()
+    return {"machine": machine_line(), "args": vars(args), "elapsed_s": time.perf_counter() - start,
+            "load_before": load_before, "load_after": os.getloadavg(),
+            "settings": [dataclasses.asdict(s) for s in settings],
+            "launches": [dataclasses.asdict(la) for la in launches], "pair": [dataclasses.asdict(la) for la in pair]}
+
+
+def render(record: Dict[str, Any], image: Optional[Path]) -> str:
+    """The "throughput" section (and the plot, unless ``image`` is None) from a raw record."""
+    args = argparse.Namespace(**record["args"])
+    settings = [Setting(**s) for s in record["settings"]]
+    launches = [Launch(**la) for la in record["launches"]]
+    pair = [Launch(**la) for la in record["pair"]]
     models = [fit_model(la) for la in launches]
     found = targets(launches, dict(enumerate(models)))
-    if not args.no_doc:
-        plot(settings, launches, models, IMAGE)
+    if image is not None:
+        plot(settings, launches, models, image)
     blocks = "\n\n".join(launch_block(s, la, m) for s, la, m in zip(settings, launches, models))
     four_x = max((la for la in launches if la.hosts == 2), key=lambda la: la.comm("none") / la.compute)
-    text = f"""## Throughput on the emulated cluster (`benchmarks/throughput.py`, `make bench`)
+    load_before, load_after = (", ".join(f"{v:.2f}" for v in record[k]) for k in ("load_before", "load_after"))
+    return f"""## Throughput on the emulated cluster (`benchmarks/throughput.py`, `make bench`)
 
-{machine_line()}; {elapsed / 60:.1f} min for {len(launches)} launches. Load average (1, 5, 15 min) before:
-{', '.join(f'{v:.2f}' for v in load_before)}; after: {', '.join(f'{v:.2f}' for v in load_after)}. The two cores were
-shared with other jobs (the share is given per launch): absolute times carry their noise, the
-ratios less so, since every configuration ran side by side in each launch.
+{record["machine"]}; {record["elapsed_s"] / 60:.1f} min for {len(launches) + len(pair)} launches. Load average
+(1, 5, 15 min) before: {load_before}; after: {load_after}. The two cores were shared with other jobs (their share
+is given per launch): absolute times carry that noise, the ratios less so, since every configuration ran side
+by side in each launch. Every sample of the run is kept in `build/throughput.json`
+(`python -m benchmarks.throughput --render build/throughput.json` rewrites this section from it).
 
 Setup: ranks one per host: network namespaces behind a bridge, each host's egress shaped by
 `tc tbf rate R burst 512kb` (a transfer's first 512 kB leave at once, so short transfers can beat R), Horovod's
@@ -330,6 +343,39 @@ Bars: measured speed-up over Horovod's synchronous optimizer; black marks: the m
 
 {controller_block(args.controller_check, pair) if pair else ""}
 """
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
+    parser.add_argument("--comm-reps", type=int, default=1, help="collective timings per round")
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    # RATE:BATCH per 2-host launch, aimed at comm ~0.25x, ~1x and ~4x compute (each launch reports
+    # the ratio it measured).
+    parser.add_argument("--settings", nargs="+", default=["5gbit:1024", "620mbit:1024", "155mbit:1024"])
+    parser.add_argument("--four-hosts", default="620mbit:512", help="RATE:BATCH of the 4-host launch ('' skips it)")
+    parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument("--controller-check", default="620mbit:1024",
+                        help="RATE:BATCH of two short launches, Gloo then MPI controller ('' skips them)")
+    parser.add_argument("--launch-timeout", type=float, default=600)
+    parser.add_argument("--max-quiet-wait", type=float, default=45,
+                        help="seconds to wait before each launch for other jobs to leave the cores idle")
+    parser.add_argument("--no-doc", action="store_true", help="print the section, leave docs/ alone")
+    parser.add_argument("--render", metavar="JSON", help="no launches: write the section from a saved record")
+    args = parser.parse_args(argv)
+    from .report import write_section
+
+    if args.render:
+        record = json.loads(Path(args.render).read_text())
+    else:
+        if os.geteuid() != 0:
+            sys.exit("benchmarks.throughput creates network namespaces: run it as root")
+        record = measure(args)
+        RECORD.parent.mkdir(parents=True, exist_ok=True)
+        RECORD.write_text(json.dumps(record))  # the raw samples, to re-read or re-render (--render)
+    text = render(record, None if args.no_doc else IMAGE)
     if not args.no_doc:
         write_section("throughput", text)
     print(text)
