@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .throughput_analysis import LABELS, Launch, Model, Target, fit_model, phase_rates, speedup, targets
-from .throughput_worker import CODECS, MARKER, TRAINING
+from .throughput_worker import AUTO, CODECS, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "docs" / "img" / "throughput.png"
@@ -104,6 +104,12 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         loop = f"{ms(la.loop(key))} ({t / la.loop(key):.2f})" if key.startswith("w2") else ""
         rows.append([LABELS[key], ms(t), f"{speedup(la, key):.2f}x", ms(la.bound(key)), f"{la.bound(key) / t:.0%}",
                      loop, ms(model.step[key]), f"{t / model.step[key]:.2f}", cpu])
+    if la.auto is not None:
+        key, t = la.auto_choice(), la.median(AUTO)
+        main, other = la.cpu_per_step(AUTO)
+        rows.append([f"pipesgd auto (chose: {LABELS[key].replace('pipesgd ', '')})", ms(t), f"{speedup(la, AUTO):.2f}x",
+                     ms(la.bound(key)), f"{la.bound(key) / t:.0%}", "", ms(model.step[key]), f"{t / model.step[key]:.2f}",
+                     f"{ms(main)} / {ms(other)} / {la.machine_cores(AUTO):.2f}"])
     head = ["configuration", "step ms", "speed-up vs Horovod", "bound ms", "bound / step",
             "engine-free loop ms (step / loop)", "model ms", "step / model",
             "CPU per step: compute thread ms / other threads ms / machine cores busy"]
@@ -135,7 +141,22 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         "between ranks 0 and 1). "
         f"Horovod's sync step hid {la.horovod_hidden():.0%} of the float32 all-reduce behind the backward pass "
         f"(compute + all-reduce - step, over the all-reduce); the model's overlap h = {model.overlap:.0%}.",
+        *(["", auto_paragraph(la)] if la.auto is not None else []),
     ])
+
+
+def auto_paragraph(la: Launch) -> str:
+    """What the auto optimizer measured (slowest rank) and why it chose what it chose."""
+    a = la.auto
+    assert a is not None
+    m, d = a["measurements"], a["decision"]
+    timed = ", ".join(f"{'float32' if c == 'none' else c} {ms(t)} ms (CPU {ms(m['reduction_cpu_s'].get(c, 0.0))})"
+                      for c, t in m["reduction_s"].items())
+    predicted = ", ".join(f"{k} {ms(v)}" for k, v in d["predicted_s"].items())
+    return (f"*Auto mode* (`width=\"auto\", compression=\"auto\"`, decided at step {a['step']}, "
+            f"{a['seconds']:.1f} s after its first step): compute {ms(m['compute_s'])} ms/step; reductions timed "
+            f"(slowest rank): {timed}; predicted steps, ms: {predicted}. **Chose width {d['width']} + "
+            f"{d['compression']}**: {d['reason']}.")
 
 
 def controller_block(spec: str, pair: Sequence[Launch]) -> str:
@@ -247,16 +268,20 @@ def plot(settings: Sequence[Setting], launches: Sequence[Launch], models: Sequen
     fig = Figure(figsize=(10, 4.2))
     ax = fig.add_subplot()
     width = 0.8 / len(launches)
+    keys = [*TRAINING, AUTO]
     for i, (s, la, model) in enumerate(zip(settings, launches, models)):
-        xs = [j + i * width for j in range(len(TRAINING))]
+        shown = [k for k in keys if k != AUTO or la.auto is not None]
+        xs = [keys.index(k) + i * width for k in shown]
         label = f"{s.hosts} hosts, {s.rate} (comm/compute {la.comm('none') / la.compute:.2f})"
-        ax.bar(xs, [speedup(la, k) for k in TRAINING], width, label=label, color=f"C{i}")
-        ax.scatter(xs, [model.step["horovod"] / model.step[k] for k in TRAINING], marker="_", s=120, color="black",
+        ax.bar(xs, [speedup(la, k) for k in shown], width, label=label, color=f"C{i}")
+        # the auto bar's model mark is that of the configuration it chose
+        predicted = [model.step[la.auto_choice() if k == AUTO else k] for k in shown]
+        ax.scatter(xs, [model.step["horovod"] / p for p in predicted], marker="_", s=120, color="black",
                    zorder=3, label="model" if i == 0 else None)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(TRAINING))])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
     ax.set_xticklabels([LABELS[k].replace("pipesgd ", "").replace(" DistributedOptimizer (sync)", " (sync)")
-                        for k in TRAINING], rotation=20, ha="right", fontsize=8)
+                        for k in keys], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("speed-up over Horovod sync")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -268,7 +293,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """Runs every launch; returns the raw record that :func:`render` turns into the section."""
     from .report import machine_line
 
-    aims = ("aimed at comm ~0.25x compute", "aimed at comm ~1x compute", "aimed at comm ~4x compute")
+    aims = ("aimed at comm ~0.25x compute", "aimed at comm ~1x compute", "aimed at comm ~2x compute",
+            "aimed at comm ~4x compute")
     settings = [Setting.parse(2, spec, aims[i] if i < len(aims) else "") for i, spec in enumerate(args.settings)]
     if args.four_hosts:
         settings.append(Setting.parse(4, args.four_hosts, "4 ranks on 2 cores: oversubscribed"))
@@ -324,6 +350,10 @@ refills the pipeline; flushed after), interleaved with the others; step times ar
 - *CPU per step*, read around each segment: the compute thread and all other threads of a rank
   (`/proc/self/task`: Horovod's background thread and Gloo's, the pipeline's comm thread, which runs the
   codecs), and how many of the machine's cores were busy (`/proc/stat`; 2.0 = CPU-bound).
+- *pipesgd auto*: `width="auto", compression="auto"` (PyTorch; `pipesgd_hvd/auto.py`), run before the
+  rounds until it decides (`auto_measure_steps=5`, no re-check), then timed like the others in the
+  configuration it chose. Its model column is the chosen configuration's. Its target: within 10% of the
+  fastest fixed configuration it could have chosen (width 1, width 2 with none, fp16, int8 or int4).
 
 {blocks}
 
@@ -352,9 +382,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--comm-reps", type=int, default=1, help="collective timings per round")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    # RATE:BATCH per 2-host launch, aimed at comm ~0.25x, ~1x and ~4x compute (each launch reports
-    # the ratio it measured).
-    parser.add_argument("--settings", nargs="+", default=["5gbit:1024", "620mbit:1024", "155mbit:1024"])
+    # RATE:BATCH per 2-host launch, aimed at comm ~0.25x, ~1x, ~2x and ~4x compute (each launch
+    # reports the ratio it measured).
+    parser.add_argument("--settings", nargs="+", default=["5gbit:1024", "620mbit:1024", "310mbit:1024",
+                                                          "155mbit:1024"])
     parser.add_argument("--four-hosts", default="620mbit:512", help="RATE:BATCH of the 4-host launch ('' skips it)")
     parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
     parser.add_argument("--controller-check", default="620mbit:1024",

@@ -33,11 +33,14 @@ from pipesgd_hvd.timing import (CODECS as MODEL_CODECS, CodecParams, LinkParams,
                                 fit_link, pipelined_iteration_time, ring_allreduce_time,
                                 sync_iteration_time)
 
-from .throughput_worker import CODECS, TRAINING
+from .throughput_worker import AUTO, CODECS, TRAINING
 
 LABELS = {"horovod": "Horovod DistributedOptimizer (sync)", "w1": "pipesgd width 1",
           "w1-layer": "pipesgd width 1, one bucket per layer", "w2": "pipesgd width 2",
-          **{f"w2-{c}": f"pipesgd width 2 + {c}{' (EF)' if c == 'int8' else ''}" for c in CODECS}}
+          **{f"w2-{c}": f"pipesgd width 2 + {c}{' (EF)' if c in ('int8', 'int4') else ''}" for c in CODECS},
+          AUTO: "pipesgd auto"}
+#: The fixed configurations the auto mode chooses from (pipesgd_hvd.auto.CANDIDATES, width 1 or 2).
+AUTO_CHOICES = ("w1", "w2", "w2-fp16", "w2-int8", "w2-int4")
 
 
 def codec_of(key: str) -> str:
@@ -113,6 +116,19 @@ class Launch:
     def horovod_hidden(self) -> float:
         """Share of the float32 all-reduce Horovod's sync step hid behind its backward pass."""
         return (self.compute + self.comm("none") - self.median("horovod")) / self.comm("none")
+
+    @property
+    def auto(self) -> Optional[Dict[str, Any]]:
+        """What the auto optimizer measured and decided before the rounds (None if it did not run)."""
+        return self.raw.get("auto")
+
+    def auto_choice(self) -> str:
+        """The fixed configuration (a TRAINING key) the auto mode chose."""
+        assert self.auto is not None
+        d = self.auto["decision"]
+        if d["width"] == 1:
+            return "w1"
+        return "w2" if d["compression"] == "none" else f"w2-{d['compression']}"
 
     def foreign_share(self) -> float:
         """Share of the machine's busy CPU time during the launch that was not our ranks'."""
@@ -253,6 +269,8 @@ def targets(launches: List[Launch], models: Mapping[int, Model]) -> List[Target]
         out.append(Target(f"{where}: every configuration within 15% of the model", not missed,
                           f"{len(TRAINING) - len(missed)} of {len(TRAINING)}; furthest: {LABELS[worst]}, step / model = "
                           f"{ratios[worst]:.2f}", "; ".join(model_cause(la, model, key) for key in missed)))
+    for la in (x for x in launches if x.auto is not None):
+        out.append(auto_target(la))
     one = closest(launches, 1.0)
     if one is not None:
         s = speedup(one, "w2")
@@ -271,3 +289,17 @@ def targets(launches: List[Launch], models: Mapping[int, Model]) -> List[Target]
                           "" if r <= 1.03 else (f"Horovod hid {quarter.horovod_hidden():.0%} of its all-reduce; width 1 "
                                                 f"with one bucket per layer: {quarter.median('w1-layer') / quarter.median('horovod'):.3f} of Horovod")))
     return out
+
+
+def auto_target(la: Launch) -> Target:
+    """The auto mode, timed in the configuration it chose, against the fastest fixed configuration
+    it could have chosen in the same launch: met when within 10% of it."""
+    chosen = la.auto_choice()
+    best = min(AUTO_CHOICES, key=la.median)
+    ratio = la.median(AUTO) / la.median(best)
+    met = ratio <= 1.1
+    return Target(f"{la.hosts} hosts, {la.rate}: auto within 10% of the fastest configuration it could choose", met,
+                  f"chose {LABELS[chosen]}; auto / fastest ({LABELS[best]}) = {ratio:.2f}",
+                  "" if met else (f"its choice measured {la.median(chosen) * 1e3:.0f} ms as a fixed row, "
+                                  f"{LABELS[best]} {la.median(best) * 1e3:.0f} ms; it decided on: "
+                                  f"{la.auto['decision']['reason']}"))

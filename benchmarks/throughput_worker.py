@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 MARKER = "THROUGHPUT_RESULT "
-CODECS = ("fp16", "bf16", "truncate16", "int8")
+CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
 # "w1-layer": width 1 with one bucket per layer, as Horovod's per-tensor reductions; the default
 # 64 MiB threshold puts the whole gradient in one bucket, which starts only after the backward pass.
 TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS))
@@ -35,7 +35,10 @@ TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS))
 # wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
 # machine allows a width-2 pipeline; the engine's own overhead is the difference.
 LOOPS = tuple(f"loop-{c}" for c in ("none", *CODECS))
-SEGMENTS = ("compute", *TRAINING, *LOOPS)
+# "auto": width="auto", compression="auto", timed in the configuration it chose before the rounds
+# (its decision is part of the result); compared with the fixed rows it could have chosen.
+AUTO = "auto"
+SEGMENTS = ("compute", *TRAINING, AUTO, *LOOPS)
 # --quick (the controller comparison): enough to see what the launcher does to compute and comm.
 QUICK = ("compute", "horovod", "w2")
 
@@ -90,7 +93,8 @@ class RankBench:
         self.args, self.hvd, self.torch = args, hvd, torch
         self.x = torch.randn(args.batch, args.dim)
         self.segments = QUICK if args.quick else SEGMENTS
-        self.runs = {key: self._make(key) for key in ("compute", *TRAINING) if key in self.segments or key == "compute"}
+        self.runs = {key: self._make(key) for key in ("compute", *TRAINING, AUTO)
+                     if key in self.segments or key == "compute"}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
         self.flat = torch.randn(self.numel)
         self.comm = HorovodTorchCommunicator()
@@ -112,6 +116,10 @@ class RankBench:
             return model, inner
         if key == "horovod":
             return model, self.hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+        if key == AUTO:  # decides once, before the rounds (decide_auto); no re-check while timed
+            return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width="auto",
+                                                    compression="auto", auto_measure_steps=args.auto_measure_steps,
+                                                    auto_recheck_every=0)
         width, _, codec = key[1:].partition("-")
         extra = {}
         if codec == "layer":
@@ -260,6 +268,21 @@ class RankBench:
                 self.record(f"codec-{c}", self.timed(
                     lambda: codec.decode(TORCH_OPS, *codec.encode(TORCH_OPS, rows, key="k", seed=0))))
 
+    def decide_auto(self) -> Dict[str, Any]:
+        """Runs the auto optimizer until it has decided (untimed); returns what it measured and chose."""
+        import dataclasses
+
+        model, opt = self.runs[AUTO]
+        start = time.perf_counter()
+        while opt.auto_decision is None:
+            self.step(model, opt)
+        opt.flush()
+        self.barrier()
+        record = opt.auto_controller.history[-1]
+        return {"step": record.step, "seconds": time.perf_counter() - start,
+                "measurements": dataclasses.asdict(record.measurements),
+                "decision": dataclasses.asdict(record.decision)}
+
     # ----------------------------------------------------------------------------------- run
     def run(self) -> None:
         args, hvd, segments = self.args, self.hvd, self.segments
@@ -268,6 +291,7 @@ class RankBench:
             collectives = {"comm-none": collectives["comm-none"]}
         tcp = TcpPair(hvd, enabled=not args.quick)
         summand, acc = self.torch.randn(self.numel), self.torch.zeros(self.numel)
+        auto = self.decide_auto() if AUTO in segments else None
         busy0, our0 = machine_busy(), sum(self.clock.read())
         for r in range(args.rounds):
             # A different configuration goes first each round: none always meets the warm-up after
@@ -291,9 +315,11 @@ class RankBench:
                 "machine_total_s": busy1[1] - busy0[1]}
         everyone = hvd.allgather_object(mine, name="bench.result")
         if hvd.rank() == 0:
-            wire = {key: self.runs[key][1].stats.ratio for key in TRAINING if key != "horovod" and key in self.runs}
+            wire = {key: self.runs[key][1].stats.ratio for key in (*TRAINING, AUTO)
+                    if key != "horovod" and key in self.runs}
             result = {"ranks": hvd.size(), "grad_bytes": self.numel * 4, "layers": args.layers,
-                      "row_bytes": self.row_bytes, "per_rank": everyone, "wire_ratio": wire, "int8_profile": profile}
+                      "row_bytes": self.row_bytes, "per_rank": everyone, "wire_ratio": wire, "int8_profile": profile,
+                      "auto": auto}
             sys.stdout.write(MARKER + json.dumps(result) + "\n")
             sys.stdout.flush()
 
@@ -375,6 +401,7 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--dim", type=int, required=True)
     parser.add_argument("--layers", type=int, required=True)
+    parser.add_argument("--auto-measure-steps", type=int, default=5, help="the auto optimizer's measuring steps")
     parser.add_argument("--quick", action="store_true", help="compute, Horovod, width 2 and the all-reduce only")
     RankBench(parser.parse_args(argv)).run()
 

@@ -16,21 +16,22 @@ and supplies ``rebuild(width, compression)``, which closes the engine and builds
   reduction to the start of the next one's (forward, backward, the update, data loading), the
   median over the window (the first step, which has no previous end, is not counted);
 * at the end of step ``measure_steps-1`` (a *check*): flush the engine (whatever is in flight is
-  returned for the adapter to apply: nothing is lost), time a synchronous float32 all-reduce of
-  the whole gradient (one warm-up, then the median of ``repeats``), and, at the first check
-  only, one encode + decode of the gradient per candidate codec (local; the sizes do not change,
-  so the cost is measured once). One ``allgather_object`` gathers every rank's numbers; the
-  maximum of each field (the slowest rank) goes into :func:`~pipesgd_hvd.auto.decide_fixed`, so
-  every rank decides the same from the same numbers. If the choice differs from the running
-  configuration, every rank rebuilds its engine at this same step;
+  returned for the adapter to apply: nothing is lost), gather every rank's compute time, then
+  time the reductions themselves, synchronously, on the step's averaged gradient: the float32
+  all-reduce first, then each candidate codec's compressed all-reduce, least lossy first (one
+  warm-up, which also lines the ranks up, then the median of ``repeats``; with the CPU time the
+  rank spent). After each, one small ``allgather_object`` takes the slowest rank's numbers, and
+  the loop stops as soon as the lossier codecs cannot change the choice
+  (:func:`~pipesgd_hvd.auto.settled`): every rank runs the same collectives and decides the same
+  from the same numbers (:func:`~pipesgd_hvd.auto.decide_fixed`). If the choice differs from the
+  running configuration, every rank rebuilds its engine at this same step;
 * every ``recheck_every`` steps after that, another check. Compute time then comes from the
   pipelined steps before it (the last ``measure_steps`` of them): time outside our waits, which in
   pipelined mode includes whatever the overlapping communication slows compute down by, i.e. what
-  a step actually costs. The all-reduce is timed synchronously after the flush, as at the first
-  check. Cost of a check: the flush (one step's communication is not hidden, and a width-K
-  pipeline refills: its next K-1 steps apply nothing, the flushed gradient having been applied
-  early), ``repeats + 1`` float32 all-reduces of the gradient and one small allgather; every 500
-  steps that is well under 1% of training time.
+  a step actually costs. Cost of a check: the flush (one step's communication is not hidden, and
+  a width-K pipeline refills: its next K-1 steps apply nothing, the flushed gradient having been
+  applied early), ``repeats + 1`` reductions per codec timed (at most one per candidate) and a
+  few small allgathers; every 500 steps that is about 1-2% of training time.
 
 Switching codec drops the old codec's error-feedback residual (at most one step's quantization
 error; a new codec starts with none).
@@ -38,6 +39,8 @@ error; a new codec starts with none).
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import logging
 import math
 import numbers
@@ -46,10 +49,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from .auto import CANDIDATES, Decision, Measurements, decide_fixed
+from .auto import CANDIDATES, TOLERANCE, Decision, Measurements, decide_fixed, settled
 from .timing import CODECS
-from .comm.base import Communicator, ReduceOp
+from .comm.base import Communicator
 from .compression import resolve_compression
+from .compression.allreduce import reduce_blocking
 from .compression.codecs import Codec
 from .engine import AppliedStep, PipelineEngine
 from .tensor_ops import MutableTensorOps, Tensor
@@ -73,6 +77,7 @@ class AutoSettings:
     measure_steps: int = 10
     recheck_every: int = 500            # 0: never re-check
     sync_fraction: float = 0.05
+    tolerance: float = TOLERANCE
     candidates: Tuple[str, ...] = CANDIDATES
 
     @classmethod
@@ -105,7 +110,15 @@ class AutoSettings:
 
     def entries(self) -> Tuple[Any, ...]:
         return (self.width, self.fixed_codec_name(), self.measure_steps, self.recheck_every,
-                self.sync_fraction, tuple(self.candidates))
+                self.sync_fraction, self.tolerance, tuple(self.candidates))
+
+    def timed_codecs(self) -> List[Codec]:
+        """What a check times, in order: the float32 all-reduce (the link for the model, the
+        synchronous option), then the fixed codec or the candidates, least lossy first."""
+        rest = self.candidates if self.compression is None else (self.compression,)
+        names = ["none", *(c for c in rest if not (isinstance(c, str) and c == "none"))]
+        codecs = [resolve_compression(c) for c in names]
+        return [c for i, c in enumerate(codecs) if model_name(c) not in {model_name(d) for d in codecs[:i]}]
 
 
 def model_name(codec: Codec) -> str:
@@ -115,10 +128,12 @@ def model_name(codec: Codec) -> str:
 
 
 class Probe(Protocol):
-    """Times the two things the rule needs besides compute (tests inject scripted numbers)."""
+    """Times one reduction (tests inject scripted numbers)."""
 
-    def allreduce_s(self, comm: Communicator, ops: MutableTensorOps, flat: Tensor) -> float: ...
-    def codec_s(self, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> float: ...
+    def reduction(self, comm: Communicator, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> Tuple[float, float]:
+        """(seconds, CPU seconds of this process) of one synchronous reduction of ``flat`` with
+        ``codec``, as the engine runs it. Collective."""
+        ...
 
 
 def _block(ops: MutableTensorOps, x: Tensor) -> None:
@@ -127,36 +142,29 @@ def _block(ops: MutableTensorOps, x: Tensor) -> None:
 
 
 class TimingProbe:
-    """Wall-clock timings of the real operations."""
+    """Wall-clock and process CPU timings of the real reductions."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, repeats: int = 3) -> None:
-        self.clock, self.repeats = clock, repeats
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.process_time, repeats: int = 3) -> None:
+        self.clock, self.cpu_clock, self.repeats = clock, cpu_clock, repeats
 
-    def allreduce_s(self, comm: Communicator, ops: MutableTensorOps, flat: Tensor) -> float:
-        """A synchronous float32 all-reduce of ``flat`` (overwritten): one warm-up (it also lines
-        the ranks up), then the median of ``repeats``. Collective."""
-        comm.allreduce_async_(flat, f"{GATHER_NAME}.allreduce.warmup", ReduceOp.AVERAGE).wait()
-        times = []
+    def reduction(self, comm: Communicator, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> Tuple[float, float]:
+        """One warm-up (it also lines the ranks up and lets the transport set up its connections),
+        then the median of ``repeats`` (wall) and of their process CPU time, which includes the
+        transport's own threads: on a core shared with compute, that is what compute loses.
+        ``flat`` may be overwritten; a private copy of ``codec`` keeps the pipeline's
+        error-feedback residuals out of it."""
+        codec = copy.deepcopy(codec)
+        tag = f"{GATHER_NAME}.{codec.name}"
+        reduce_blocking(ops, comm, codec, flat, name=f"{tag}.warmup", key=tag, seed=0)
+        times, cpu = [], []
         for i in range(self.repeats):
-            start = self.clock()
-            out = comm.allreduce_async_(flat, f"{GATHER_NAME}.allreduce.{i}", ReduceOp.AVERAGE).wait()
+            start, cpu_start = self.clock(), self.cpu_clock()
+            out, _ = reduce_blocking(ops, comm, codec, flat, name=f"{tag}.{i}", key=tag, seed=i + 1)
             _block(ops, out)
             times.append(self.clock() - start)
-        return statistics.median(times)
-
-    def codec_s(self, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> float:
-        """One encode + decode of ``flat`` as one row, after a warm-up on a small slice. Local."""
-        n = ops.numel(flat)
-        cols = codec.padded_cols(n)
-        padded = flat if cols == n else ops.concat([flat, ops.zeros((cols - n,), "float32", like=flat)], 0)
-        rows = ops.reshape(padded, (1, cols))
-        small = codec.padded_cols(min(cols, 4096))
-        warm, ctx = codec.encode(ops, rows[:, :small], key=f"{GATHER_NAME}.warmup", seed=0)
-        _block(ops, codec.decode(ops, warm, ctx))
-        start = self.clock()
-        payload, ctx = codec.encode(ops, rows, key=GATHER_NAME, seed=0)
-        _block(ops, codec.decode(ops, payload, ctx))
-        return self.clock() - start
+            cpu.append(self.cpu_clock() - cpu_start)
+        return statistics.median(times), statistics.median(cpu)
 
 
 @dataclass(frozen=True)
@@ -184,7 +192,6 @@ class AutoController:
         self._samples: Deque[float] = collections.deque(maxlen=settings.measure_steps)
         self._wait_started: Optional[float] = None
         self._last_end: Optional[float] = None
-        self._codec_s: Optional[Dict[str, float]] = None
 
     @property
     def decision(self) -> Optional[Decision]:
@@ -215,20 +222,24 @@ class AutoController:
         flushed = engine.flush()  # collective; checks first that every rank ran as many steps
         latest = list(applied) + flushed
         nbytes = 4 * sum(math.prod(spec.shape) for spec in engine.specs)
-        flat = self._flat(latest[-1]) if latest else self.ops.zeros((nbytes // 4,), "float32")
-        if self._codec_s is None:
-            fixed = self.settings.compression
-            codecs = [resolve_compression(c) for c in (self.settings.candidates if fixed is None else (fixed,))]
-            self._codec_s = {model_name(c): float(self.probe.codec_s(self.ops, c, flat)) for c in codecs}
         previous = self.history[-1].measurements.compute_s if self.history else 0.0
         mine = {"step": engine.step, "settings": self.settings.entries(), "gradient_bytes": nbytes,
-                "compute_s": statistics.median(self._samples) if self._samples else previous,
-                "allreduce_s": float(self.probe.allreduce_s(self.comm, self.ops, flat)),
-                "codec_s": dict(self._codec_s)}
+                "compute_s": statistics.median(self._samples) if self._samples else previous}
         m = _slowest(self.comm.allgather_object(mine, GATHER_NAME))
         s = self.settings
-        decision = decide_fixed(m, width=s.width, compression=s.fixed_codec_name(),
-                                sync_fraction=s.sync_fraction, candidates=s.candidates)
+        for codec in s.timed_codecs() if m.ranks > 1 else ():  # one rank: nothing to time
+            flat = self._flat(latest[-1]) if latest else self.ops.zeros((nbytes // 4,), "float32")
+            seconds, cpu = self.probe.reduction(self.comm, self.ops, codec, flat)
+            theirs = self.comm.allgather_object((float(seconds), float(cpu)), f"{GATHER_NAME}.{codec.name}")
+            name = model_name(codec)
+            m = dataclasses.replace(m, reduction_s={**m.reduction_s, name: max(t for t, _ in theirs)},
+                                    reduction_cpu_s={**m.reduction_cpu_s, name: max(c for _, c in theirs)})
+            if name == "none":
+                m = dataclasses.replace(m, allreduce_s=m.reduction_s["none"])
+            if s.compression is None and settled(m, name, tolerance=s.tolerance, sync_fraction=s.sync_fraction):
+                break  # the lossier codecs cannot change the choice: not timed
+        decision = decide_fixed(m, width=s.width, compression=s.fixed_codec_name(), sync_fraction=s.sync_fraction,
+                                tolerance=s.tolerance, candidates=s.candidates)
         self.history.append(AutoRecord(engine.step, m, decision))
         if self.comm.rank == 0:
             log.info("pipesgd_hvd auto, step %d: %s; measured (slowest of %d ranks): %s",
@@ -252,7 +263,7 @@ class AutoController:
         """Plain values: the running configuration (a fixed codec is not saved: it is the one the
         optimizer is built with), the next check and the measured codec costs."""
         return {"width": self.width, "compression": self.compression if self.settings.compression is None else None,
-                "next_check": self.next_check, "codec_s": self._codec_s,
+                "next_check": self.next_check,
                 "history": [(r.step, r.decision.width, r.decision.compression, r.decision.reason)
                             for r in self.history]}
 
@@ -260,7 +271,7 @@ class AutoController:
         """Restores the configuration a checkpoint ran with (rebuilding the engine: collective, call
         on every rank, before loading the engine's state)."""
         chosen = (int(state["width"]), state["compression"] if self.settings.compression is None else self.compression)
-        self.next_check, self._codec_s = state["next_check"], state["codec_s"]
+        self.next_check = state["next_check"]
         self._samples.clear()
         self._wait_started = self._last_end = None
         if chosen != (self.width, self.compression):
@@ -269,7 +280,8 @@ class AutoController:
 
 
 def _slowest(everyone: List[Dict[str, Any]]) -> Measurements:
-    """Every rank's measurements -> one Measurements of the maxima (the same on every rank)."""
+    """Every rank's step, settings and compute time -> one Measurements with the slowest rank's
+    compute time (the same on every rank); the reductions are timed after it."""
     first = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs["settings"] != first["settings"]:
@@ -278,16 +290,12 @@ def _slowest(everyone: List[Dict[str, Any]]) -> Measurements:
         if theirs["step"] != first["step"]:
             raise RuntimeError(f"auto check at different steps: rank 0 at {first['step']}, rank {rank} at "
                                f"{theirs['step']}; every rank must call step() as often")
-    codec_s: Dict[str, float] = {}
-    for theirs in everyone:
-        for name, seconds in theirs["codec_s"].items():
-            codec_s[name] = max(codec_s.get(name, 0.0), seconds)
     return Measurements(ranks=len(everyone), gradient_bytes=first["gradient_bytes"],
-                        compute_s=max(e["compute_s"] for e in everyone),
-                        allreduce_s=max(e["allreduce_s"] for e in everyone), codec_s=codec_s)
+                        compute_s=max(e["compute_s"] for e in everyone), allreduce_s=0.0)
 
 
 def describe_measurements(m: Measurements) -> str:
-    codecs = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in m.codec_s.items())
-    return (f"compute {m.compute_s * 1e3:.1f} ms/step, float32 all-reduce of {m.gradient_bytes / 2**20:.2f} MiB "
-            f"{m.allreduce_s * 1e3:.1f} ms, encode+decode: {codecs or 'not measured'}")
+    reductions = ", ".join(f"{'none (float32 all-reduce)' if k == 'none' else k} {v * 1e3:.1f} ms "
+                           f"(CPU {m.reduction_cpu_s.get(k, 0.0) * 1e3:.1f} ms)" for k, v in m.reduction_s.items())
+    return (f"compute {m.compute_s * 1e3:.1f} ms/step; reductions of the {m.gradient_bytes / 1e6:.3g} MB gradient: "
+            f"{reductions or 'not timed'}")

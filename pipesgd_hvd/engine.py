@@ -154,12 +154,17 @@ class PipelineEngine:
     def __init__(self, specs: Sequence[TensorSpec], *, ops: MutableTensorOps, comm: Communicator,
                  codec: Codec, config: PipelineConfig = PipelineConfig(),
                  ready_order: Optional[Sequence[int]] = None,
-                 device_anchors: Optional[Dict[str, Tensor]] = None, first_step: int = 0) -> None:
+                 device_anchors: Optional[Dict[str, Tensor]] = None, first_step: int = 0,
+                 check_ranks: bool = True) -> None:
         """``ready_order``: spec indices in the order gradients are expected (default: reverse).
         ``device_anchors``: a tensor per device name, next to which that device's buffers go.
         ``first_step``: the index of the first step, for an engine that replaces a flushed one
         mid-training (the auto mode switching width or codec): warm-up, replica checks and
-        stochastic-rounding seeds keep counting from there."""
+        stochastic-rounding seeds keep counting from there.
+        ``check_ranks=False`` skips the cross-rank check of settings and tensors (a collective)
+        here; for a process that may not issue collectives yet (a worker joining a Horovod
+        elastic job builds its optimizer while the others are busy syncing), which builds the
+        engine again, checked, once every rank can take part."""
         self.specs = list(specs)
         self.ops, self.comm, self.codec, self.config = ops, comm, codec, config
         self._ready_order = list(ready_order) if ready_order is not None else list(range(len(self.specs)))[::-1]
@@ -177,9 +182,10 @@ class PipelineEngine:
         # would wait a full timeout for a peer that is gone, and exit joins that thread).
         self._abort = threading.Event()
         self._replicas_agreed_at = 0
-        check_ranks_agree(comm, {
-            "settings": self._settings(),
-            "tensors": [(spec.name, tuple(spec.shape), spec.dtype) for spec in self.specs]})
+        if check_ranks:
+            check_ranks_agree(comm, {
+                "settings": self._settings(),
+                "tensors": [(spec.name, tuple(spec.shape), spec.dtype) for spec in self.specs]})
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -299,6 +305,30 @@ class PipelineEngine:
         self._queue.clear()
         return applied
 
+    def abandon(self) -> Dict[str, Any]:
+        """Stop this engine at a change of the world (Horovod elastic) without waiting on anything,
+        and return :meth:`state_dict` of what it holds already reduced.
+
+        The collectives in flight belong to a world that is gone (or about to be: Horovod shuts
+        down and re-initializes), so they are never waited on: the open step and every step not
+        yet waited for are dropped, and the comm thread starts no further reduction. Steps
+        already waited for (by ``end_step``, or by ``state_dict`` at a commit) are kept: every
+        rank waits for them at the same point of the program, so they are the same on every
+        rank. The engine is unusable afterwards; build a new one for the new world."""
+        self._abort.set()  # queued comm-thread jobs must not start a collective in the new world
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
+        self._current = None
+        # Waits happen oldest first, so the finished steps are a prefix of the queue.
+        self._queue = collections.deque(s for s in self._queue if s.grads is not None)
+        self._failure = None
+        try:
+            return self.state_dict()  # no wait: every step left is finished
+        finally:
+            self._fail(RuntimeError("this pipeline was abandoned at a change of the Horovod world; "
+                                    "the optimizer continues on a new one"))
+
     def close(self) -> None:
         if self._worker is not None:
             # After a failure, queued reductions would only wait for a peer that is gone.
@@ -386,6 +416,7 @@ class PipelineEngine:
         marker = ops.ready_marker(flat)
 
         abort = self._abort
+        comm = _AbortableComm(comm, abort)
 
         def job() -> Tuple[Tensor, int, Any]:
             if abort.is_set():
@@ -471,6 +502,44 @@ class PipelineEngine:
         self._step = int(state["step"])
         self.codec.load_state_dict(state["codec"], self.ops)
         self.stats = WireStats(**state.get("stats", {}))
+
+
+class _AbortableComm:
+    """The communicator as a comm-thread job sees it: once the engine aborts (a failure, or
+    :meth:`PipelineEngine.abandon` at a change of the world), a job cut between its alltoall and
+    its allgather starts no further collective, which could otherwise land in the next world."""
+
+    def __init__(self, comm: Communicator, abort: threading.Event) -> None:
+        self._comm, self._abort = comm, abort
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def size(self) -> int:
+        return self._comm.size
+
+    def _check(self, name: str) -> None:
+        if self._abort.is_set():
+            raise RuntimeError(f"{name} was not started: this pipeline stopped (an earlier failure or a world change)")
+
+    def allreduce_async_(self, x: Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
+                         prescale: float = 1.0, postscale: float = 1.0) -> Any:
+        self._check(name)
+        return self._comm.allreduce_async_(x, name, op, prescale, postscale)
+
+    def alltoall_async(self, x: Tensor, name: str) -> Any:
+        self._check(name)
+        return self._comm.alltoall_async(x, name)
+
+    def allgather_async(self, x: Tensor, name: str) -> Any:
+        self._check(name)
+        return self._comm.allgather_async(x, name)
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        self._check(name)
+        return self._comm.allgather_object(obj, name)
 
 
 def _copy_tree(value: Any, ops: MutableTensorOps) -> Any:

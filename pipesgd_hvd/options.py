@@ -50,3 +50,14 @@ def check_staleness_correction(value: Any) -> bool:
     if value is True or value == "weight_prediction":
         return True
     raise ValueError(f"staleness_correction must be False, True or 'weight_prediction', got {value!r}")
+
+
+def check_no_auto(width: Any, compression: Any, framework: str) -> None:
+    """``width="auto"`` / ``compression="auto"`` (chosen from measurements) exist only in the
+    PyTorch adapter for now; elsewhere say so and what to pass, instead of "unknown compression"."""
+    instead = {"width": "width=2 (Pipe-SGD, the default) or width=1 (synchronous)",
+               "compression": "a fixed codec: compression='int8' (or 'fp16', 'int4'; 'none', the default)"}
+    for name, value in (("width", width), ("compression", compression)):
+        if isinstance(value, str) and value == "auto":
+            raise ValueError(f"{name}='auto' is supported by pipesgd_hvd.torch only for now; with {framework} "
+                             f"pass {instead[name]}")

@@ -38,14 +38,14 @@ def run_ranks(script: str, *args: str, np: int = 2, timeout: float = 180, contro
     """Launch ``script`` (relative to tests/) on ``np`` ranks; ``controller`` is "mpi" or "gloo"."""
     cmd = [str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
            sys.executable, str(TESTS / script), *args]
-    return _run(cmd, f"{script} {' '.join(args)}", timeout, env, expect_failure)
+    return run_command(cmd, f"{script} {' '.join(args)}", timeout, env, expect_failure)
 
 
 def run_torchrun(script: str, *args: str, np: int = 2, timeout: float = 180) -> str:
     """``torchrun --nproc_per_node np`` (torch.distributed without Horovod); fails with the output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(np),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(TESTS / script), *args]
-    return _run(cmd, f"torchrun {script} {' '.join(args)}", timeout, None, False)
+    return run_command(cmd, f"torchrun {script} {' '.join(args)}", timeout, None, False)
 
 
 def free_port() -> int:
@@ -54,7 +54,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: List[str], what: str, timeout: float, env: Optional[Dict[str, str]], expect_failure: bool) -> str:
+def run_command(cmd: List[str], what: str, timeout: float, env: Optional[Dict[str, str]], expect_failure: bool) -> str:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -22,35 +22,11 @@ from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
 from pipesgd_hvd.fusion import TensorSpec
 from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
 from reference import loss_fn, make_batches, make_model, mean_gradient
+from scripted_timing import FakeClock, ScriptedProbe
 from threads import run_threads
 
 MB = 2**20
 LR = 0.1
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-class ScriptedProbe:
-    """allreduce_s returns the next scripted value (one per check); codec_s a fixed cost."""
-
-    def __init__(self, allreduce_s, codec_s=None):
-        self.allreduce = list(allreduce_s)
-        self.codec = codec_s or {}
-        self.checks = 0
-
-    def allreduce_s(self, comm, ops, flat):
-        value = self.allreduce[min(self.checks, len(self.allreduce) - 1)]
-        self.checks += 1
-        return value
-
-    def codec_s(self, ops, codec, flat):
-        return self.codec.get(codec.name.replace("+ef", ""), 0.0)
 
 
 def train(steps, compute_ms, allreduce_ms, codec_ms=None, flush=True, **kw):
@@ -90,19 +66,21 @@ def assert_replicas_equal(results):
     assert all(torch.equal(a, b) for a, b in zip(w0, w1)), "replicas differ"
 
 
-@pytest.mark.parametrize("compute_ms, allreduce_ms, codec_ms, expected", [
-    # rank 1 alone would stay synchronous (3 ms << 100 ms): the slowest rank's 90 ms decides
-    ([100, 100], [[90], [3]], None, (2, "none")),
-    ([100, 90], [[4], [2]], None, (1, "none")),
-    ([100, 100], [[50], [200]], None, (2, "fp16")),
+@pytest.mark.parametrize("compute_ms, allreduce_ms, codec_ms, expected, timed", [
+    # rank 1 alone would stay synchronous (3 ms << 100 ms): the slowest rank's 90 ms decides;
+    # none's step (100 ms) is compute alone: no codec can beat it, none is timed
+    ([100, 100], [[90], [3]], None, (2, "none"), ["none"]),
+    ([100, 90], [[4], [2]], None, (1, "none"), ["none"]),
+    ([100, 100], [[50], [200]], None, (2, "fp16"), ["none", "fp16"]),
     # the compute maximum matters too: with rank 1's 60 ms alone int8 would not fit
-    ([60, 110], [[400], [400]], None, (2, "int8")),
-    ([100, 100], [[400], [10]], None, (2, "int4")),
-    # codec costs are maxima over ranks as well: int8 no longer fits, int4 (cheap) wins
-    ([110, 110], [[400], [400]], [{"int8": 40.0}, {"int8": 1.0}], (2, "int4")),
+    ([60, 110], [[400], [400]], None, (2, "int8"), ["none", "fp16", "int8"]),
+    ([100, 100], [[800], [10]], None, (2, "int4"), ["none", "fp16", "int8", "int4"]),
+    # codec costs are maxima over ranks as well: int8 (100.8 + 30 ms) is no longer within 10% of
+    # int4's step (110 ms), so int4 (cheap) wins
+    ([110, 110], [[400], [400]], [{"int8": 60.0}, {"int8": 1.0}], (2, "int4"), ["none", "fp16", "int8", "int4"]),
 ])
 def test_each_branch_is_chosen_from_the_slowest_ranks_numbers_on_every_rank(compute_ms, allreduce_ms,
-                                                                             codec_ms, expected):
+                                                                             codec_ms, expected, timed):
     results = train(8, compute_ms, allreduce_ms, codec_ms, auto_measure_steps=4, auto_recheck_every=0)
     for rank, (_, opt, trace) in enumerate(results):
         d = opt.auto_decision
@@ -114,6 +92,8 @@ def test_each_branch_is_chosen_from_the_slowest_ranks_numbers_on_every_rank(comp
         assert m.compute_s == pytest.approx(max(compute_ms) / 1e3)
         assert m.allreduce_s == pytest.approx(max(a[0] for a in allreduce_ms) / 1e3)
         assert m.gradient_bytes == 4 * sum(p.numel() for p in make_model().parameters())
+        # the same collectives on every rank: the loop stops on the gathered (slowest) numbers
+        assert opt.auto_controller.probe.timed == [timed] and list(m.reduction_s) == timed
     assert results[0][1].auto_decision == results[1][1].auto_decision
     assert_replicas_equal(results)
 
@@ -277,10 +257,22 @@ def test_compute_is_the_time_outside_the_reduction_waits_framework_free():
     assert first.measurements.gradient_bytes == 1024 and rebuilt == []  # one rank: stays synchronous
 
 
-def test_timing_probe_times_the_real_collective_and_every_candidate_codec():
+def test_timing_probe_times_the_real_reduction_of_every_candidate_codec():
     probe, flat = TimingProbe(), np.linspace(-1, 1, 5000, dtype=np.float32)
     world = LocalWorld(1, NUMPY_OPS)
-    assert probe.allreduce_s(world.communicator(0), NUMPY_OPS, flat.copy()) >= 0.0
+    seconds, cpu = probe.reduction(world.communicator(0), NUMPY_OPS, resolve_compression("none"), flat.copy())
+    assert seconds >= 0.0 and cpu >= 0.0
     assert [e[1] for e in world.events if e[0] == 0 and e[1] == "done"] == ["done"] * 4  # warm-up + 3
-    for name in ("none", "fp16", "int8", "int4"):
-        assert probe.codec_s(NUMPY_OPS, resolve_compression(name), flat) > 0.0
+    int8 = resolve_compression("int8")
+    for name in ("fp16", "int8", "int4"):
+        seconds, cpu = probe.reduction(world.communicator(0), NUMPY_OPS, int8 if name == "int8" else
+                                       resolve_compression(name), flat.copy())
+        assert seconds > 0.0 and cpu >= 0.0
+    assert not int8.state_dict()["residuals"], "the probe must not touch the pipeline's error feedback"
+
+
+def test_a_fixed_codec_is_timed_with_the_float32_all_reduce_only():
+    results = train(6, [100, 100], [[400], [400]], compression="int8", auto_measure_steps=4, auto_recheck_every=0)
+    for _, opt, _ in results:
+        assert opt.auto_controller.probe.timed == [["none", "int8"]]
+        assert (opt.auto_decision.width, opt.auto_decision.compression) == (2, "int8")

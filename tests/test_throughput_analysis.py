@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.throughput_analysis import Launch, cause, fit_model, phase_rates, speedup, targets
-from benchmarks.throughput_worker import CODECS, LOOPS, TRAINING
+from benchmarks.throughput_analysis import Launch, auto_target, cause, fit_model, phase_rates, speedup, targets
+from benchmarks.throughput_worker import AUTO, CODECS, LOOPS, TRAINING
 
 GRAD = 16_000_000          # bytes of float32 gradient
 ROW = GRAD // 4 // 2       # an int8-sized chunk for 2 ranks (scales left out: round numbers)
 
 
-def made_up(step: dict, comm: dict, comm_cpu: dict, compute: float = 0.2) -> Launch:
+def made_up(step: dict, comm: dict, comm_cpu: dict, compute: float = 0.2, auto: dict = None) -> Launch:
     """A 2-rank launch: rank 1 is always the slower by 1 ms, CPU numbers equal on both ranks."""
     med = {"compute": compute, "forward": 0.07, "backward": 0.12, "update": 0.01, "add": GRAD * 0.2e-9,
            "ar-small": 0.002, "comm-none-quarter": comm["none"] / 4 + 0.0015, "a2a-int8": 0.1, "ag-int8": 0.1,
            "tcp-exchange": 0.05, **step, **{f"comm-{c}": t for c, t in comm.items()},
            **{f"codec-{c}": 0.03 for c in CODECS}, **{f"loop-{c}": step[f"w2-{c}" if c != "none" else "w2"]
                                                     for c in ("none", *CODECS)}}
-    for key in ("compute", *TRAINING, *LOOPS):
+    for key in ("compute", *TRAINING, *LOOPS, *([AUTO] if AUTO in step else [])):
         med[f"cpu-main/{key}"] = 0.9 * compute
         med[f"cpu-other/{key}"] = 0.02
         med[f"cpu-machine/{key}"] = 2 * med[key]
@@ -30,15 +30,15 @@ def made_up(step: dict, comm: dict, comm_cpu: dict, compute: float = 0.2) -> Lau
         return {"samples": samples, "our_cpu_s": 5.0, "machine_busy_s": 12.5, "machine_total_s": 20.0}
 
     raw = {"ranks": 2, "grad_bytes": GRAD, "layers": 4, "row_bytes": ROW, "per_rank": [rank(0.0), rank(0.001)],
-           "wire_ratio": {k: 1.0 for k in TRAINING if k != "horovod"}, "int8_profile": []}
+           "wire_ratio": {k: 1.0 for k in TRAINING if k != "horovod"}, "int8_profile": [], "auto": auto}
     return Launch(2, "155mbit", 1024, raw)
 
 
 # comm ~4x compute: Horovod hides a little, width 2 sits at the all-reduce, int8 is comm-bound.
 STEP = {"horovod": 0.95, "w1": 1.0, "w1-layer": 0.95, "w2": 0.81, "w2-fp16": 0.6, "w2-bf16": 0.6,
-        "w2-truncate16": 0.6, "w2-int8": 0.49}
-COMM = {"none": 0.8, "fp16": 0.55, "bf16": 0.55, "truncate16": 0.55, "int8": 0.45}
-CPU = {"none": 0.02, "fp16": 0.04, "bf16": 0.04, "truncate16": 0.1, "int8": 0.1}
+        "w2-truncate16": 0.6, "w2-int8": 0.49, "w2-int4": 0.32}
+COMM = {"none": 0.8, "fp16": 0.55, "bf16": 0.55, "truncate16": 0.55, "int8": 0.45, "int4": 0.3}
+CPU = {"none": 0.02, "fp16": 0.04, "bf16": 0.04, "truncate16": 0.1, "int8": 0.1, "int4": 0.1}
 
 
 def test_slowest_rank_bound_speedup_and_rates():
@@ -84,3 +84,22 @@ def test_targets_name_the_misses():
     assert not width2.met  # 0.951 / 0.811 = 1.17x
     # every pipelined row is within 10% of its bound (int8: 0.451 / 0.491 = 92%)
     assert all(t.met for name, t in found.items() if "within 10%" in name)
+
+
+def decided(width: int, compression: str) -> dict:
+    return {"step": 5, "seconds": 9.0, "measurements": {"compute_s": 0.2, "reduction_s": {"none": 0.8},
+                                                         "reduction_cpu_s": {"none": 0.02}},
+            "decision": {"width": width, "compression": compression, "reason": "the rule", "predicted_s": {}}}
+
+
+def test_auto_is_judged_against_the_fastest_configuration_it_could_choose():
+    # It chose int4 and ran as fast as the fixed int4 row (the fastest of w1, w2, fp16, int8, int4).
+    good = auto_target(made_up(dict(STEP, auto=0.33), COMM, CPU, auto=decided(2, "int4")))
+    assert good.met and good.measured == "chose pipesgd width 2 + int4 (EF); auto / fastest (pipesgd width 2 + " \
+                                         f"int4 (EF)) = {0.331 / 0.321:.2f}"
+    # It chose int8: 0.49 s against int4's 0.32 s is 53% slower: missed, with the reason it gave.
+    bad = auto_target(made_up(dict(STEP, auto=0.49), COMM, CPU, auto=decided(2, "int8")))
+    assert not bad.met and "491 ms" in bad.cause and "the rule" in bad.cause
+    la = made_up(dict(STEP, auto=0.81), COMM, CPU, auto=decided(2, "none"))
+    assert la.auto_choice() == "w2" and sum("auto within 10%" in t.name for t in targets([la], {0: fit_model(la)})) == 1
+    assert made_up(STEP, COMM, CPU, auto=decided(1, "none")).auto_choice() == "w1"

@@ -61,6 +61,20 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
     return (ops.cast(out, dtype) if dtype != "float32" else out), sent
 
 
+def reduce_blocking(ops: TensorOps, comm: Communicator, codec: Codec, x: Tensor, *, name: str, key: str,
+                    seed: int, op: ReduceOp = ReduceOp.AVERAGE) -> Tuple[Tensor, int]:
+    """One whole reduction of ``x`` with ``codec``, the way the engine runs it, waited for: a
+    summable codec's payload goes through a plain all-reduce (in place on ``x`` for ``none``),
+    a byte codec through :func:`compressed_allreduce`. Returns the result and the bytes sent.
+    (The engine itself starts the plain all-reduce and waits later; the auto mode times this.)"""
+    if not codec.summable:
+        return compressed_allreduce(ops, comm, codec, x, name=name, key=key, seed=seed, op=op)
+    payload, ctx = codec.encode(ops, x, key=key, seed=seed)
+    reduced = comm.allreduce_async_(payload, name, op).wait()
+    sent = allreduce_wire_bytes(ops.numel(payload), ops.dtype_name(payload), comm.size)
+    return codec.decode(ops, reduced, ctx), sent
+
+
 def allreduce_wire_bytes(numel: int, dtype: str, size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``numel`` values: ``2 (N-1)/N * M``."""
     return (2 * (size - 1) * numel * ITEMSIZE[dtype]) // size

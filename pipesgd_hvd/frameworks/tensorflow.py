@@ -19,9 +19,10 @@ import tensorflow as tf
 from ..compression import Compression, resolve_compression
 from ..engine import PipelineConfig, WireStats, pipeline_name
 from ..fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec
-from ..options import (check_backward_passes, check_global_process_set, check_staleness_correction,
+from ..options import (check_backward_passes, check_global_process_set, check_no_auto, check_staleness_correction,
                        fusion_threshold_bytes, resolve_reduce_op)
 from ..staleness import WeightPrediction
+from .tf_guards import ReplicaCheck, StepProgress
 from .tf_pipeline import GraphPipeline
 
 try:
@@ -40,6 +41,8 @@ class _PipelinedOptimizer:
 
     _pipesgd_settings: Dict[str, Any]
     _pipesgd: Optional[GraphPipeline]
+    _pipesgd_progress: Optional[StepProgress]
+    _pipesgd_replicas: Optional[ReplicaCheck]
 
     def build(self, variables: Sequence[Any]) -> None:
         super().build(variables)  # type: ignore[misc]
@@ -54,12 +57,17 @@ class _PipelinedOptimizer:
             from ..comm.horovod_tensorflow import HorovodTensorFlowCommunicator
 
             comm = HorovodTensorFlowCommunicator()
-        config = PipelineConfig(width=s["width"], warmup_steps=s["warmup_steps"],
-                                fusion_threshold_bytes=s["fusion_threshold_bytes"], op=s["op"],
-                                gradient_predivide_factor=s["gradient_predivide_factor"],
-                                name=pipeline_name([spec.name for spec in specs]), seed=s["seed"])
+        config = PipelineConfig(**{k: s[k] for k in _CONFIG_KEYS}, name=pipeline_name([spec.name for spec in specs]))
         self._pipesgd_variables = [variable_name(v) for v in variables]
-        pipeline = GraphPipeline(specs, comm=comm, codec=resolve_compression(s["compression"]), config=config)
+        # Plain attributes (not tracked by Keras or checkpointed): the watchdog thread and counters.
+        progress = StepProgress()
+        object.__setattr__(self, "_pipesgd_progress", progress)
+        with progress.eager_step():  # the build's collectives (cross-rank check, codec priming) too
+            pipeline = GraphPipeline(specs, comm=comm, codec=resolve_compression(s["compression"]), config=config)
+        replicas = None
+        if config.check_replicas_every:
+            replicas = ReplicaCheck(comm, config.check_replicas_every, self._pipesgd_variables, config.name)
+        object.__setattr__(self, "_pipesgd_replicas", replicas)
         prediction = None
         if s["staleness_correction"]:
             prediction = WeightPrediction(pipeline.ops, variables)
@@ -89,32 +97,52 @@ class _PipelinedOptimizer:
         if len(grads) != len(trainable_variables):
             raise ValueError(f"got {len(grads)} gradients for {len(trainable_variables)} variables")
         grads = [_dense(g, v) for g, v in zip(grads, trainable_variables)]
+        progress = self._pipesgd_progress
+        if tf.executing_eagerly():
+            with progress.eager_step():
+                self._pipesgd_step(grads, trainable_variables)
+        else:
+            begun = progress.begin(after=grads)
+            progress.end(after=[begun] + self._pipesgd_step(grads, trainable_variables))
+
+    def _pipesgd_step(self, grads: List[Any], variables: List[Any]) -> List[tf.Tensor]:
+        """The replica check (when due), the exchange and the update. Traced, returns the tensors
+        that exist once every collective of the step is done (for the watchdog)."""
+        pipeline = self._pipesgd
+        checked = None
+        if self._pipesgd_replicas is not None:  # the weights every rank's forward pass just used
+            checked = self._pipesgd_replicas(pipeline.step.read_value(), variables)
         reduced, should_apply = pipeline.exchange(grads)
         inner_apply = super().apply  # type: ignore[misc]
         prediction = self._pipesgd_prediction
         if prediction is not None:  # the gradients were computed at predicted weights
-            prediction.restore(trainable_variables)
+            prediction.restore(variables)
 
         def apply_now() -> tf.Tensor:
-            inner_apply(reduced, trainable_variables)
+            inner_apply(reduced, variables)
             return tf.constant(True)
 
+        done: List[tf.Tensor] = []
         if tf.executing_eagerly():
             if bool(should_apply):
                 apply_now()
         else:
             # While the pipeline fills there is no averaged gradient yet: the wrapped optimizer
             # does not run at all (its iteration counter, moments and weight decay stay put).
-            tf.cond(should_apply, apply_now, lambda: tf.constant(False))
+            # A replica check that fails fails the step before anything is applied.
+            with tf.control_dependencies([] if checked is None else [checked]):
+                done.append(tf.cond(should_apply, apply_now, lambda: tf.constant(False)))
         if prediction is not None:
-            prediction.predict(trainable_variables)
+            prediction.predict(variables)
+        return done
 
     def flush(self) -> int:
         """Applies the averaged gradients still in flight (call on every rank, eagerly, e.g. after
         ``fit``). Returns how many steps were applied. The next step fills the pipeline anew."""
         if self._pipesgd is None:
             return 0
-        pending = self._pipesgd.flush()
+        with self._pipesgd_progress.eager_step():
+            pending = self._pipesgd.flush()
         variables = list(self._trainable_variables)
         if self._pipesgd_prediction is not None:
             self._pipesgd_prediction.reset(variables)  # the real weights, for evaluation or saving
@@ -149,6 +177,9 @@ def _dense(grad: Any, variable: Any) -> Any:
 
 
 _CLASSES: Dict[Type[Any], Type[Any]] = {}
+# The DistributedOptimizer arguments that are PipelineConfig fields (checked there).
+_CONFIG_KEYS = ("width", "warmup_steps", "fusion_threshold_bytes", "op", "gradient_predivide_factor", "seed",
+                "check_replicas_every")
 
 
 def _pipelined_class(cls: Type[Any]) -> Type[Any]:
@@ -168,7 +199,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          num_groups: int = 0, groups: Any = None, process_set: Any = None,
                          scale_local_gradients: bool = True, *, width: int = 2, warmup_steps: int = 0,
                          fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20, seed: int = 0,
-                         communicator: Any = None, staleness_correction: bool = False) -> Any:
+                         communicator: Any = None, staleness_correction: bool = False,
+                         check_replicas_every: Optional[int] = None) -> Any:
     """Wraps a Keras 3 optimizer so that gradients are averaged across ranks, pipelined.
 
     Horovod's arguments keep their meaning: ``compression`` (ours such as
@@ -185,7 +217,19 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     rounding), ``communicator`` (default Horovod's TensorFlow ops), ``staleness_correction``
     (weight prediction, see ``pipesgd_hvd.staleness``: gradients are computed at the weights
     extrapolated with the last update; between steps the variables hold that prediction, and
-    ``flush()`` / ``PipelineFlushCallback`` put the real weights back).
+    ``flush()`` / ``PipelineFlushCallback`` put the real weights back), ``check_replicas_every``
+    (every that many steps, compare a fingerprint of every variable the optimizer updates across
+    ranks, one small allgather, and fail on every rank with ``ReplicaDriftError: replicas differ at
+    step S: parameter 'dense/kernel' ...`` naming the first that differs; default None: never.
+    Inside ``model.fit`` or a ``tf.function`` TensorFlow raises it as ``tf.errors.UnknownError``
+    with that message).
+
+    ``width="auto"`` and ``compression="auto"`` are PyTorch-only for now.
+
+    A step that waits for its peers longer than ``PIPESGD_TIMEOUT`` seconds (default 600; 0: no
+    limit) ends the process with status 1 and a ``PeerLostError`` message: a collective inside a
+    traced step cannot be interrupted, and a frozen peer would otherwise hang the job
+    (``docs/reliability.md``, Keras).
 
     The first step after warm-up applies nothing (no averaged gradient exists yet); call
     ``optimizer.flush()`` after training to apply the last in-flight gradient. Use
@@ -202,14 +246,15 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
         raise ValueError("backward_passes_per_step > 1 is not supported for Keras: set Keras's own "
                          "gradient_accumulation_steps=N on the optimizer you wrap instead")
     check_global_process_set(process_set, _hvd)
+    check_no_auto(width, compression, "Keras/TensorFlow")
     settings = {
         "width": width, "warmup_steps": warmup_steps, "fusion_threshold_bytes": fusion_threshold_bytes(fusion_threshold_mb),
         "op": resolve_reduce_op(op, _hvd), "gradient_predivide_factor": gradient_predivide_factor,
         "seed": seed, "communicator": communicator, "compression": resolve_compression(compression),
         "staleness_correction": check_staleness_correction(staleness_correction),
+        "check_replicas_every": check_replicas_every or 0,
     }
-    PipelineConfig(**{k: settings[k] for k in ("width", "warmup_steps", "fusion_threshold_bytes", "op",
-                                                "gradient_predivide_factor")})  # checks them now
+    PipelineConfig(**{k: settings[k] for k in _CONFIG_KEYS})  # checks them now, before any collective
     if optimizer.built:
         raise ValueError("wrap the optimizer before it is used (DistributedOptimizer(keras.optimizers.SGD(...)) "
                          "before model.compile / the first apply_gradients)")
@@ -218,7 +263,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     # Plain attributes: Keras's tracker would wrap the dict (and the codec inside) as state.
     object.__setattr__(wrapped, "_pipesgd_settings", settings)
     wrapped._pipesgd = None
-    object.__setattr__(wrapped, "_pipesgd_prediction", None)
+    for attribute in ("_pipesgd_prediction", "_pipesgd_progress", "_pipesgd_replicas"):
+        object.__setattr__(wrapped, attribute, None)
     return wrapped
 
 

@@ -68,8 +68,9 @@ class GraphPipeline(tf.Module):
         # whose gradient the backward pass finishes first, in the first bucket.
         self.layout = plan_buckets(self.specs, list(range(len(self.specs)))[::-1], config.fusion_threshold_bytes)
         with tf.init_scope():  # eager even when Keras builds the optimizer inside a trace
-            check_ranks_agree(comm, {
-                "settings": settings_entries(config, codec.name),
+            check_ranks_agree(comm, {  # the same entries as PipelineEngine's (PyTorch) check
+                "settings": settings_entries(config, codec.name) + [
+                    ("check_replicas_every", config.check_replicas_every)],
                 "tensors": [(s.name, tuple(s.shape), s.dtype) for s in self.specs]})
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             # First pipelined step since warm-up or the last flush: the pipeline fills from here.

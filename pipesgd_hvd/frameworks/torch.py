@@ -8,6 +8,7 @@ pass produces it, ``synchronize()`` ends the step and writes the averaged (stale
 from __future__ import annotations
 
 import atexit
+import copy
 import dataclasses
 import weakref
 import warnings
@@ -20,6 +21,7 @@ import torch
 from ..auto_controller import AutoController, AutoSettings
 from ..comm.base import Communicator, exit_if_stuck
 from ..compression import Compression, resolve_compression
+from .. import elastic
 from ..engine import AppliedStep, PipelineConfig, PipelineEngine, WireStats, pipeline_name
 from ..fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec
 from ..options import (check_backward_passes, check_global_process_set, check_staleness_correction,
@@ -30,6 +32,8 @@ from .torch_ops import TORCH_OPS, dtype_name
 
 try:  # Horovod is the default transport, but torchrun users may not have it
     import horovod.torch as _hvd
+
+    from .torch_elastic import register_elastic_handler
 except ImportError:  # pragma: no cover - exercised only without Horovod
     _hvd = None
 
@@ -124,17 +128,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     **Automatic width and codec** (``pipesgd_hvd.auto_controller``). The first
     ``auto_measure_steps`` steps run synchronously (width 1, uncompressed unless the codec is
     fixed) while every rank measures its compute time per step (time outside the optimizer's
-    waits: forward, backward, the update, data loading; median), a synchronous float32 all-reduce
-    of the whole gradient, and one encode + decode per candidate codec. One allgather takes the
-    slowest rank's numbers, so every rank applies the rule of :func:`pipesgd_hvd.auto.decide` to
-    the same numbers and switches at the same step: width 1 if communication is under 5% of
-    compute, else width 2 with the least lossy of none < fp16 < int8 < int4 whose all-reduce hides
-    under compute. The switch flushes (the in-flight gradient is applied, nothing is lost) and
-    rebuilds the pipeline. Every ``auto_recheck_every`` steps it measures again (compute from the
-    pipelined steps, a flush, the all-reduce timed again: about one unhidden step and four
-    all-reduces per check) and switches when the choice changes. ``opt.auto_decision`` holds
-    the latest decision on every rank (``.describe()`` gives the reason and predicted step times);
-    rank 0 logs it with the numbers on the ``pipesgd_hvd.auto`` logger (``logging.INFO``). If
+    waits: forward, backward, the update, data loading; median). Then every rank times the
+    reductions themselves on the step's gradient, synchronously: the float32 all-reduce, then
+    each candidate codec's compressed all-reduce, least lossy first, with the CPU each costs; the
+    slowest rank's numbers are gathered after each, so every rank applies the rule of
+    :func:`pipesgd_hvd.auto.decide` to the same numbers and switches at the same step: width 1 if
+    communication is under 5% of compute, else width 2 with the least lossy of none < fp16 <
+    int8 < int4 whose predicted step, ``max(compute + the reduction's CPU, the reduction)``, is
+    within 10% of the fastest (the timing stops once no lossier codec can be faster by more).
+    The switch flushes (the in-flight gradient is applied, nothing is lost) and rebuilds the
+    pipeline. Every ``auto_recheck_every`` steps it measures again (compute from the pipelined
+    steps, a flush, the reductions timed again: about one unhidden step and four reductions per
+    codec timed) and switches when the choice changes. ``opt.auto_decision`` holds the latest
+    decision on every rank (``.describe()`` gives the reason and predicted step times); rank 0
+    logs it with the numbers on the ``pipesgd_hvd.auto`` logger (``logging.INFO``). If
     only one of the two is ``"auto"``, the other stays as given. ``state_dict()`` saves the
     running choice; load it on every rank (rebuilding the pipeline is collective). ::
 
@@ -195,7 +202,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._comm = communicator if communicator is not None and not isinstance(communicator, str) \
             else default_communicator(communicator)
         self._config = PipelineConfig(**config, name=pipeline_name([n for n, _ in self._named]))
-        self._engine = self._build_engine()
+        # Under Horovod elastic a joining worker builds its optimizer while the others sync, so the
+        # cross-rank check waits for hvd.elastic.TorchState's sync(), which rebuilds the engine.
+        self._engine = self._build_engine(check_ranks=not elastic.is_elastic_job())
+        if _hvd is not None:
+            register_elastic_handler(DistributedOptimizer)
         self.auto_controller = None if auto is None else \
             AutoController(auto, self._comm, TORCH_OPS, rebuild=self._switch_engine)
 
@@ -219,11 +230,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Nothing computed is lost: gradients still in flight when the interpreter exits are applied.
         atexit.register(_flush_at_exit, weakref.ref(self))
 
-    def _build_engine(self, first_step: int = 0) -> PipelineEngine:
+    def _build_engine(self, first_step: int = 0, check_ranks: bool = True) -> PipelineEngine:
         specs = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype), str(p.device)) for name, p in self._named]
         anchors = {str(p.device): p for p in self._params}
         return PipelineEngine(specs, ops=TORCH_OPS, comm=self._comm, codec=resolve_compression(self._codec_template),
-                              config=self._config, device_anchors=anchors, first_step=first_step)
+                              config=self._config, device_anchors=anchors, first_step=first_step,
+                              check_ranks=check_ranks)
 
     def _switch_engine(self, width: int, compression: Any) -> None:
         """The auto mode's rebuild hook: the engine was flushed; the next one continues its step
@@ -540,6 +552,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.load_state_dict(ours)
             self._stepped = self._engine.step > 0
         self._load_prediction(prediction)
+
+    # -------------------------------------------------------------------- Horovod elastic
+    # Called by hvd.elastic.TorchState through the handler of frameworks/torch_elastic.py; the
+    # rule they keep is pipesgd_hvd/elastic.py's.
+    def _check_elastic_support(self) -> None:
+        if self.auto_controller is not None or self._prediction is not None:
+            raise ValueError("hvd.elastic.TorchState does not support width='auto', compression='auto' or "
+                             "staleness_correction=True yet: pass a fixed width and compression, without "
+                             "staleness_correction")
+
+    def _elastic_restore(self, committed: Dict[str, Any]) -> None:
+        """After HorovodInternalError (a worker was lost): drop what is in flight, unwaited, and
+        go back to the last commit. Horovod is broken here: no collective."""
+        self._engine.abandon()
+        self._engine = self._build_engine(check_ranks=False)
+        self._synchronized = self._apply_pending = False
+        self._passes = [0] * len(self._params)
+        # A copy: torch's load_state_dict keeps the given tensors (Tensor.to returns them as they
+        # are), and training would then change the commit in place before the next restore.
+        self.load_state_dict(copy.deepcopy(committed))
+
+    def _elastic_sync(self) -> None:
+        """On every rank of a new world (after a reset, and at the start): drop the old world's
+        unwaited reductions, rebuild the pipeline for this world (cross-rank check included) and
+        continue from rank 0's state: the wrapped optimizer's state, the reduced in-flight
+        gradients and the step count; error-feedback residuals start afresh (pipesgd_hvd.elastic)."""
+        held = self._engine.abandon()
+        self._synchronized = self._apply_pending = False
+        self._passes = [0] * len(self._params)
+        self._engine = self._build_engine()  # collective: every rank of the new world is here
+        root = None
+        if self._comm.rank == 0:
+            root = self._optimizer.state_dict()
+            root["pipesgd"] = elastic.state_for_new_world(held, self._engine.codec.state_dict())
+        root = self._comm.allgather_object(root, f"{self._config.name}.elastic")[0]
+        self.load_state_dict(root)
 
     def _load_prediction(self, saved: Optional[Dict[str, Any]]) -> None:
         """Load the model first: the parameters then get the prediction the next gradient is

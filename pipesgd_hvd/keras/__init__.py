@@ -5,7 +5,8 @@ allgather, broadcast, ...). Ours, because Horovod's do not work with Keras 3:
 ``DistributedOptimizer`` (pipelined; ``width=1`` is synchronous), ``callbacks`` (broadcast,
 metric average, learning-rate warm-up and schedule, best-model checkpoint), and
 ``broadcast_global_variables`` / ``load_model``. ``Compression`` is ours and also accepts
-Horovod's compressors.
+Horovod's compressors. ``ReplicaDriftError``, ``StepCountMismatchError``, ``PeerLostError``: the
+errors of ``docs/reliability.md``.
 """
 from horovod.tensorflow.keras import (  # noqa: F401
     Average, ProcessSet, Sum, add_process_set, allgather, allreduce, broadcast, ccl_built, cross_rank, cross_size,
@@ -14,10 +15,13 @@ from horovod.tensorflow.keras import (  # noqa: F401
     rocm_built, shutdown, size, start_timeline, stop_timeline)
 from horovod.tensorflow import allgather_object, broadcast_object  # noqa: F401 (handy for scripts)
 
+from ..comm.base import PeerLostError
 from ..compression import Compression
 from ..frameworks.keras_callbacks import broadcast_global_variables, broadcast_variables
 from ..frameworks.tensorflow import DistributedOptimizer, load_model
+from ..guards import ReplicaDriftError, StepCountMismatchError
 from . import callbacks
 
-__all__ = ["Average", "Compression", "DistributedOptimizer", "Sum", "broadcast_global_variables",
-           "broadcast_variables", "callbacks", "load_model"]
+__all__ = ["Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
+           "StepCountMismatchError", "Sum", "broadcast_global_variables", "broadcast_variables", "callbacks",
+           "load_model"]

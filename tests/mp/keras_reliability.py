@@ -1,8 +1,9 @@
-"""Keras: bad arguments, models that differ across ranks, non-finite gradients.
+"""Keras: bad arguments, models that differ across ranks, non-finite gradients, replica drift.
 
 Each bad input gets a clear error on every rank (printed as RAISED rankN: ...), never a hang.
-Usage: keras_reliability.py arguments|mismatch|nonfinite
+Usage: keras_reliability.py arguments|mismatch|sparse|nonfinite|drift
 """
+import re
 import sys
 
 import horovod.tensorflow as hvd
@@ -44,6 +45,16 @@ if case == "arguments":
          lambda: psgd.DistributedOptimizer(sgd(), gradient_predivide_factor=0)),
         (ValueError, "staleness_correction must be", lambda: psgd.DistributedOptimizer(sgd(), staleness_correction="x")),
         (ValueError, "global process set", lambda: psgd.DistributedOptimizer(sgd(), process_set=object())),
+        (ValueError, "seed must be an int >= 0", lambda: psgd.DistributedOptimizer(sgd(), seed=-1)),
+        (ValueError, "check_replicas_every must be an int >= 0 steps (0 or None: never), got -1",
+         lambda: psgd.DistributedOptimizer(sgd(), check_replicas_every=-1)),
+        (ValueError, "check_replicas_every must be an int >= 0 steps (0 or None: never), got 2.5",
+         lambda: psgd.DistributedOptimizer(sgd(), check_replicas_every=2.5)),
+        (ValueError, "width='auto' is supported by pipesgd_hvd.torch only for now; with Keras/TensorFlow pass "
+                     "width=2", lambda: psgd.DistributedOptimizer(sgd(), width="auto")),
+        (ValueError, "compression='auto' is supported by pipesgd_hvd.torch only for now; with Keras/TensorFlow "
+                     "pass a fixed codec: compression='int8'",
+         lambda: psgd.DistributedOptimizer(sgd(), compression="auto")),
         (TypeError, "must be a Keras 3 optimizer", lambda: psgd.DistributedOptimizer(tf.Variable(1.0))),
         (TypeError, "already a pipesgd_hvd DistributedOptimizer",
          lambda: psgd.DistributedOptimizer(psgd.DistributedOptimizer(sgd()))),
@@ -106,3 +117,81 @@ elif case == "nonfinite":
         kernel = model.trainable_variables[0].numpy()
         assert not np.isfinite(kernel).all(), "the non-finite value reached the weights (it is not hidden)"
         passed(f"keras-nonfinite-{name}")
+
+elif case == "drift":
+    # check_replicas_every=N in the three ways a Keras optimizer steps: model.fit, a custom
+    # tf.function loop and an eager loop. First while replicas agree (the checks run and pass),
+    # then with rank 1 alone nudging one weight before step 7: with N = 5 every rank must fail at
+    # step 10 naming that variable. Prints ``RAISED rank<r> <loop> <error type>: <message>``.
+    from pipesgd_hvd.guards import ReplicaDriftError
+
+    STEPS = 14
+    x, y = rank_data(rank, STEPS)
+
+    def nudged(model):
+        return model.trainable_variables[2]  # the second Dense layer's kernel
+
+    def nudge(model):
+        kernel = nudged(model)
+        kernel.assign(tf.tensor_scatter_nd_add(kernel, [[1, 2]], [1e-6]))
+
+    class Nudge(keras.callbacks.Callback):
+        def __init__(self, at):
+            super().__init__()
+            self.at = at
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == self.at and rank == 1:
+                nudge(self.model)
+
+    def train(model, loop, every, steps, corrupt_at=None):
+        opt = psgd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression="int8",
+                                        check_replicas_every=every)
+        if loop == "fit":
+            model.compile(optimizer=opt, loss=LOSS)
+            model.fit(x[:steps * BATCH], y[:steps * BATCH], batch_size=BATCH, shuffle=False, verbose=0,
+                      callbacks=[Nudge(corrupt_at)])
+            return model, opt
+
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = LOSS(yb, model(xb))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        run = tf.function(step) if loop == "tf.function" else step
+        for t in range(steps):
+            if t == corrupt_at and rank == 1:
+                nudge(model)
+            run(x[t * BATCH:(t + 1) * BATCH], y[t * BATCH:(t + 1) * BATCH])
+        return model, opt
+
+    # Ranks that disagree on the setting fail when the optimizer is built, on every rank.
+    model = make_model()
+    opt = psgd.DistributedOptimizer(keras.optimizers.SGD(0.1), check_replicas_every=5 if rank == 0 else 0)
+    message = expect(ValueError, "settings differ across ranks", lambda: opt.build(model.trainable_variables))
+    assert "('check_replicas_every', 5)" in message and "('check_replicas_every', 0)" in message, message
+    passed("keras-drift-setting-checked-across-ranks")
+
+    for loop, every in (("fit", 2), ("tf.function", 3), ("eager", 4)):
+        model, opt = train(make_model(), loop, every, 12)
+        opt.flush()
+        assert_replicas_identical(model, f"drift-clean-{loop}")
+        last = (12 - 1) // every * every  # the last step a check ran at, and passed
+        assert int(opt.pipeline.step.numpy()) == 12, int(opt.pipeline.step.numpy())
+        assert int(opt._pipesgd_replicas.agreed_at.numpy()) == last, (loop, opt._pipesgd_replicas.agreed_at)
+        passed(f"keras-drift-checks-pass-while-equal-{loop}")
+
+    for loop in ("fit", "tf.function", "eager"):
+        model = make_model()
+        print(f"NUDGED rank{rank} {loop} {nudged(model).path}", flush=True)
+        try:
+            train(model, loop, 5, STEPS, corrupt_at=7)
+        except (ReplicaDriftError, tf.errors.OpError) as exc:
+            # Inside a graph TensorFlow re-raises it as an OpError; the message holds ours.
+            found = re.search(r"ReplicaDriftError: (replicas differ at step \d+: .*?\(they were identical at step "
+                              r"\d+\))", str(exc)) if isinstance(exc, tf.errors.OpError) else None
+            text = found.group(1) if found else str(exc)
+            print(f"RAISED rank{rank} {loop} {type(exc).__name__}: {text}", flush=True)
+        else:
+            print(f"NO ERROR rank{rank} {loop}", flush=True)

@@ -15,30 +15,11 @@ import torch
 import pipesgd_hvd.torch as psgd
 from common import assert_replicas_identical, passed
 from reference import loss_fn, make_batches, make_model, reference_sgd
+from scripted_timing import FakeClock, ScriptedProbe
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 LR = 0.1
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-class ScriptedProbe:
-    def __init__(self, allreduce_s):
-        self.allreduce, self.checks = list(allreduce_s), 0
-
-    def allreduce_s(self, comm, ops, flat):
-        self.checks += 1
-        return self.allreduce[min(self.checks - 1, len(self.allreduce) - 1)]
-
-    def codec_s(self, ops, codec, flat):
-        return 0.0
 
 
 def train(steps, batches, compute_s=None, allreduce_s=None, flush=True, **kw):
