@@ -53,9 +53,11 @@ from .auto import CANDIDATES, TOLERANCE, Decision, Measurements, decide_fixed, s
 from .timing import CODECS
 from .comm.base import Communicator
 from .compression import resolve_compression
-from .compression.allreduce import reduce_blocking
+from .compression.allreduce import reduce_bucket
 from .compression.codecs import Codec
-from .engine import AppliedStep, PipelineEngine
+from .engine import AppliedStep
+from .fusion import TensorSpec
+from .schedule import Seed
 from .tensor_ops import MutableTensorOps, Tensor
 
 AUTO = "auto"
@@ -127,6 +129,19 @@ def model_name(codec: Codec) -> str:
     return base if base in CODECS else codec.name
 
 
+class Pipeline(Protocol):
+    """What a check needs of the running pipeline: the eager engine, or TensorFlow's."""
+
+    specs: List[TensorSpec]
+
+    @property
+    def step(self) -> int: ...
+
+    def flush(self) -> List[AppliedStep]:
+        """Collective: every step in flight, reduced, oldest first."""
+        ...
+
+
 class Probe(Protocol):
     """Times one reduction (tests inject scripted numbers)."""
 
@@ -156,11 +171,11 @@ class TimingProbe:
         error-feedback residuals out of it."""
         codec = copy.deepcopy(codec)
         tag = f"{GATHER_NAME}.{codec.name}"
-        reduce_blocking(ops, comm, codec, flat, name=f"{tag}.warmup", key=tag, seed=0)
+        reduce_bucket(ops, comm, codec, flat, name=f"{tag}.warmup", key=tag, seed=Seed(0)).wait()
         times, cpu = [], []
         for i in range(self.repeats):
             start, cpu_start = self.clock(), self.cpu_clock()
-            out, _ = reduce_blocking(ops, comm, codec, flat, name=f"{tag}.{i}", key=tag, seed=i + 1)
+            out, _ = reduce_bucket(ops, comm, codec, flat, name=f"{tag}.{i}", key=tag, seed=Seed(i + 1)).wait()
             _block(ops, out)
             times.append(self.clock() - start)
             cpu.append(self.cpu_clock() - cpu_start)
@@ -204,7 +219,12 @@ class AutoController:
         if self._wait_started is None:
             self._wait_started = self.clock()
 
-    def after_step(self, engine: PipelineEngine, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
+    def record_compute(self, seconds: float) -> None:
+        """One step's compute time measured by the caller (TensorFlow times it inside the traced
+        step), instead of :meth:`reduction_started`'s clock."""
+        self._samples.append(max(float(seconds), 0.0))
+
+    def after_step(self, engine: Pipeline, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
         """Call right after ``engine.end_step`` returned ``applied``. At a check (collective on every
         rank at the same step) returns the flushed in-flight steps, oldest first, for the adapter to
         apply after ``applied``; the engine may have been rebuilt (read it again). Else ``[]``."""
@@ -218,7 +238,7 @@ class AutoController:
         return flushed
 
     # ------------------------------------------------------------------------------ a check
-    def _check(self, engine: PipelineEngine, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
+    def _check(self, engine: Pipeline, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
         flushed = engine.flush()  # collective; checks first that every rank ran as many steps
         latest = list(applied) + flushed
         nbytes = 4 * sum(math.prod(spec.shape) for spec in engine.specs)

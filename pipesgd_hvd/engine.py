@@ -24,96 +24,20 @@ cannot complete. The cure is a restart from the last checkpoint on every rank.
 from __future__ import annotations
 
 import collections
-import hashlib
 import concurrent.futures
-import math
-import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .comm.base import Communicator, ReduceOp
-from .compression.allreduce import allreduce_wire_bytes, compressed_allreduce, derive_seed
+from .compression.allreduce import Reduction, reduce_bucket
 from .compression.codecs import Codec
-from .consistency import check_ranks_agree, settings_entries
-from .fusion import DEFAULT_FUSION_THRESHOLD, Bucket, FusionLayout, TensorSpec, plan_buckets
+from .config import PipelineConfig, WireStats, integer, settings_entries
+from .consistency import check_pipeline_agrees, check_ranks_agree
+from .fusion import Bucket, FusionLayout, TensorSpec, plan_buckets
 from .guards import check_replicas, check_steps_agree
+from .schedule import PipelineSchedule
 from .tensor_ops import MutableTensorOps, Tensor
-
-
-def _integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
-    """``value`` as an int >= ``minimum`` (numpy ints too), or a ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{hint}, got {value!r}")
-    return int(value)
-
-
-def pipeline_name(tensor_names: Sequence[str]) -> str:
-    """The prefix of one optimizer's collective names: the same on every rank (a digest of the
-    tensor names). Horovod refuses two tensors in flight under one name, so two optimizers over
-    identically named parameters must not have reductions in flight at the same time (flush one
-    before stepping the other) or their parameters must be named apart."""
-    digest = hashlib.blake2b(repr(list(tensor_names)).encode(), digest_size=3).hexdigest()
-    return f"psgd.{digest}"
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """Settings of one pipeline (the same on every rank; checked at construction).
-
-    ``check_replicas_every``: compare a checksum of every parameter across ranks every that many
-    steps (0: never); see :mod:`pipesgd_hvd.guards`."""
-
-    width: int = 2
-    warmup_steps: int = 0
-    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD
-    op: ReduceOp = ReduceOp.AVERAGE
-    gradient_predivide_factor: float = 1.0
-    name: str = "psgd"
-    seed: int = 0
-    check_replicas_every: int = 0
-
-    def __post_init__(self) -> None:
-        # Frozen: normalised values (numpy ints -> int) are written through object.__setattr__.
-        fix = lambda field_name, value: object.__setattr__(self, field_name, value)  # noqa: E731
-        fix("width", _integer("width", self.width, 1, " (1 = synchronous, 2 = Pipe-SGD)"))
-        fix("warmup_steps", _integer("warmup_steps", self.warmup_steps, 0))
-        fix("fusion_threshold_bytes", _integer("fusion threshold", self.fusion_threshold_bytes, 0, " bytes"))
-        fix("seed", _integer("seed", self.seed, 0, " (the same on every rank)"))
-        fix("check_replicas_every", _integer("check_replicas_every", self.check_replicas_every, 0,
-                                             " steps (0 or None: never)"))
-        if not isinstance(self.op, ReduceOp):
-            raise ValueError(f"op must be Average or Sum, got {self.op!r}")
-        factor = self.gradient_predivide_factor
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < math.inf:
-            raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {factor!r}")
-        fix("gradient_predivide_factor", float(factor))
-        if self.gradient_predivide_factor != 1.0 and self.op is not ReduceOp.AVERAGE:
-            raise ValueError("gradient_predivide_factor is only supported with op=Average (as in Horovod)")
-        if not isinstance(self.name, str):
-            raise ValueError(f"name must be a str, got {self.name!r}")
-
-    def width_at(self, step: int) -> int:
-        return 1 if step < self.warmup_steps else self.width
-
-    def scale_factors(self) -> Tuple[float, float]:
-        """(prescale, postscale) as Horovod splits an average around the sum."""
-        if self.op is ReduceOp.AVERAGE:
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
-
-
-@dataclass
-class WireStats:
-    """Bytes this rank sent, next to what a float32 ring all-reduce would have sent."""
-
-    steps: int = 0
-    bytes_sent: int = 0
-    fp32_bytes: int = 0
-
-    @property
-    def ratio(self) -> float:
-        return self.bytes_sent / self.fp32_bytes if self.fp32_bytes else 1.0
 
 
 @dataclass
@@ -126,24 +50,15 @@ class AppliedStep:
     meta: Any = None
 
 
-class _Reduction:
-    """One bucket's reduction in flight: a plain all-reduce handle or a comm-thread future."""
-
-    def __init__(self, wait: Callable[[], Tuple[Tensor, int]]) -> None:
-        self._wait = wait
-
-    def wait(self) -> Tuple[Tensor, int]:
-        return self._wait()
-
-
 @dataclass
 class _Step:
     step: int
     layout: FusionLayout
     buffers: List[Tensor]
     written: List[int]                                   # gradients written, per bucket
+    checked: bool = True                                 # the ranks agreed on this tensor set
     seen: set = field(default_factory=set)               # spec indices written
-    reductions: List[Optional[_Reduction]] = field(default_factory=list)
+    reductions: List[Optional[Reduction]] = field(default_factory=list)
     grads: Optional[Dict[int, Tensor]] = None            # set once waited (or loaded)
     meta: Any = None
 
@@ -162,18 +77,21 @@ class PipelineEngine:
         mid-training (the auto mode switching width or codec): warm-up, replica checks and
         stochastic-rounding seeds keep counting from there.
         ``check_ranks=False`` skips the cross-rank check of settings and tensors (a collective)
-        here; for a process that may not issue collectives yet (a worker joining a Horovod
-        elastic job builds its optimizer while the others are busy syncing), which builds the
-        engine again, checked, once every rank can take part."""
+        here, for a caller that has just run it (the optimizer core checks once per optimizer)
+        or that may not issue collectives yet (a worker joining a Horovod elastic job builds its
+        optimizer while the others are busy syncing, and builds the engine again, checked, once
+        every rank can take part)."""
         self.specs = list(specs)
         self.ops, self.comm, self.codec, self.config = ops, comm, codec, config
+        self.schedule = PipelineSchedule(config)
         self._ready_order = list(ready_order) if ready_order is not None else list(range(len(self.specs)))[::-1]
         self._layouts: Dict[Tuple[int, ...], FusionLayout] = {}
+        self._checked_sets: set = set()  # tensor sets the ranks agreed on (see end_step)
         self._buffers: Dict[Tuple[str, int], List[Tensor]] = {}   # (layout key, slot) -> buffers
         self._queue: Deque[_Step] = collections.deque()
         self._current: Optional[_Step] = None
         self._next_launch = 0
-        self._step = _integer("first_step", first_step, 0)
+        self._step = integer("first_step", first_step, 0)
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._anchors = dict(device_anchors or {})
         self.stats = WireStats()
@@ -183,9 +101,7 @@ class PipelineEngine:
         self._abort = threading.Event()
         self._replicas_agreed_at = 0
         if check_ranks:
-            check_ranks_agree(comm, {
-                "settings": self._settings(),
-                "tensors": [(spec.name, tuple(spec.shape), spec.dtype) for spec in self.specs]})
+            check_pipeline_agrees(comm, config, codec.name, self.specs)
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -233,7 +149,8 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------- the step
     def begin_step(self, active: Sequence[int]) -> None:
-        """Open a step over the gradients ``active`` (spec indices; those that require grad now)."""
+        """Open a step over the gradients ``active`` (spec indices; those that require grad now).
+        Issues no collective (it may run inside a backward hook)."""
         self._raise_if_failed()
         if self._current is not None:
             raise RuntimeError("begin_step() called twice without end_step()")
@@ -244,7 +161,7 @@ class PipelineEngine:
             buffers = [self.ops.empty((b.numel,), b.dtype, like=self._like(b)) for b in layout.buckets]
             self._buffers[(layout.key, slot)] = buffers
         self._current = _Step(self._step, layout, buffers, [0] * len(layout.buckets),
-                              reductions=[None] * len(layout.buckets))
+                              checked=layout.key in self._checked_sets, reductions=[None] * len(layout.buckets))
         self._next_launch = 0
 
     def add_gradient_(self, index: int, grad: Tensor) -> None:
@@ -274,16 +191,26 @@ class PipelineEngine:
         cur = self._current
         if cur is None:
             raise RuntimeError("end_step() without an open step")
+        self._close(cur, meta)
+        width = self.schedule.width_at(cur.step)
+        applied = []
+        while len(self._queue) >= width:
+            applied.append(self._finish(self._queue.popleft()))
+        return applied
+
+    def _close(self, cur: _Step, meta: Any) -> None:
+        """Checks a tensor set the ranks have not agreed on yet (a collective, so here, from the
+        training thread at the end of the step, never from a backward hook), launches the rest
+        and queues the step."""
+        if not cur.checked:
+            self._checked(lambda: self._check_trainable_agree(cur.layout))
+            self._checked_sets.add(cur.layout.key)
+            cur.checked = True
         self._launch_ready(cur, force=True)
         cur.meta = meta
         self._queue.append(cur)
         self._current = None
         self._step += 1
-        width = self.config.width_at(cur.step)
-        applied = []
-        while len(self._queue) >= width:
-            applied.append(self._finish(self._queue.popleft()))
-        return applied
 
     def flush(self, check_steps: bool = True) -> List[AppliedStep]:
         """Wait for every step in flight (ending an open one first) and return them, oldest first.
@@ -297,10 +224,7 @@ class PipelineEngine:
             ended = self._step + (1 if self._current is not None else 0)
             self._checked(lambda: check_steps_agree(self.comm, ended, "flush()"))
         if self._current is not None:
-            self._launch_ready(self._current, force=True)
-            self._queue.append(self._current)
-            self._current = None
-            self._step += 1
+            self._close(self._current, None)
         applied = [self._finish(s) for s in self._queue]
         self._queue.clear()
         return applied
@@ -340,8 +264,7 @@ class PipelineEngine:
     def replica_check_due(self) -> bool:
         """Whether the open step is one where :meth:`check_replicas` runs (every
         ``check_replicas_every`` steps; the same answer on every rank)."""
-        every = self.config.check_replicas_every
-        return bool(every) and self._step > 0 and self._step % every == 0 and self._replicas_agreed_at != self._step
+        return bool(self.schedule.replica_check_due(self._step)) and self._replicas_agreed_at != self._step
 
     def check_replicas(self, named: Sequence[Tuple[str, Any]]) -> None:
         """Collective: compares a checksum of each (name, host array) across ranks, and the step
@@ -352,10 +275,8 @@ class PipelineEngine:
         self._replicas_agreed_at = self._step
 
     # ------------------------------------------------------------------------------- layouts
-    def layout_for(self, active: Sequence[int], check: bool = True) -> FusionLayout:
-        """The buckets for the tensors ``active``. A set not seen before is checked against the
-        other ranks (collective; ``check=False`` when restoring a checkpoint, which ranks may do
-        alone): ranks that freeze different parameters would issue different collectives."""
+    def layout_for(self, active: Sequence[int]) -> FusionLayout:
+        """The buckets for the tensors ``active`` (planned once per set; no collective)."""
         key = tuple(sorted(set(active)))
         layout = self._layouts.get(key)
         if layout is None:
@@ -364,28 +285,30 @@ class PipelineEngine:
             chosen = set(key)
             order = [i for i in self._ready_order if i in chosen]
             layout = plan_buckets(self.specs, order, self.config.fusion_threshold_bytes)
-            if check:  # also for the full set: a rank that froze something before step 0 is caught
-                self._checked(lambda: self._check_trainable_agree(key))
             self._layouts[key] = layout
         return layout
 
-    def _check_trainable_agree(self, key: Tuple[int, ...]) -> None:
+    def _check_trainable_agree(self, layout: FusionLayout) -> None:
+        """Ranks that freeze different parameters would issue different collectives. Run for
+        every new set, the full one too: a rank that froze something before step 0 is caught."""
         try:
             check_ranks_agree(self.comm, {"tensors that require grad": [
-                (self.specs[i].name, tuple(self.specs[i].shape), self.specs[i].dtype) for i in key]})
+                (self.specs[i].name, tuple(self.specs[i].shape), self.specs[i].dtype) for i in layout.indices]},
+                f"{self.config.name}.trainable")
         except ValueError as exc:
             raise ValueError(f"{exc}; here: set requires_grad on the same parameters on every rank, at the same "
                              "step") from None
 
-    def _settings(self) -> List[Tuple[str, Any]]:
-        return settings_entries(self.config, self.codec.name) + [
-            ("check_replicas_every", self.config.check_replicas_every)]
+    def settings(self) -> List[Tuple[str, Any]]:
+        return settings_entries(self.config, self.codec.name)
 
     def _like(self, bucket: Bucket) -> Any:
         return self._anchors.get(bucket.device)
 
     # ------------------------------------------------------------------------------ launching
     def _launch_ready(self, cur: _Step, force: bool) -> None:
+        if not cur.checked:
+            return  # nothing starts before the ranks agreed on the tensor set (end of the step)
         buckets = cur.layout.buckets
         while self._next_launch < len(buckets):
             b = self._next_launch
@@ -399,24 +322,21 @@ class PipelineEngine:
             cur.reductions[b] = self._launch(cur, bucket, cur.buffers[b])
             self._next_launch += 1
 
-    def _launch(self, cur: _Step, bucket: Bucket, flat: Tensor) -> _Reduction:
-        cfg, ops, codec, comm = self.config, self.ops, self.codec, self.comm
+    def _launch(self, cur: _Step, bucket: Bucket, flat: Tensor) -> Reduction:
+        cfg, ops, codec, schedule = self.config, self.ops, self.codec, self.schedule
         prescale, postscale = cfg.scale_factors()
-        name = f"{cfg.name}.{cur.layout.key}.b{bucket.index}.s{cur.step % cfg.width}"
-        key = f"{cur.layout.key}.b{bucket.index}"
-        seed = derive_seed(cfg.seed, cur.step, bucket.index, comm.rank)
-        if codec.summable:
-            payload, ctx = codec.encode(ops, flat, key=key, seed=seed)
-            handle = comm.allreduce_async_(payload, name, cfg.op, prescale, postscale)
-            sent = allreduce_wire_bytes(ops.numel(payload), ops.dtype_name(payload), comm.size)
-            return _Reduction(lambda: (codec.decode(ops, handle.wait(), ctx), sent))
+        name = schedule.op_name(cur.layout, bucket.index, schedule.slot_tag(cur.step))
+        key = schedule.state_key(cur.layout, bucket.index)
+        seed = schedule.seed(bucket.index, self.comm.rank, cur.step)
+        if codec.summable:  # a plain all-reduce, started now; waited for when the step is applied
+            return reduce_bucket(ops, self.comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
+                                 prescale=prescale, postscale=postscale)
 
         # Byte codecs: encode, alltoall, sum, allgather, decode, all on the comm thread (on GPU on
         # its own stream), so neither the codec work nor the blocking waits hold up compute.
         marker = ops.ready_marker(flat)
-
         abort = self._abort
-        comm = _AbortableComm(comm, abort)
+        comm = _AbortableComm(self.comm, abort)
 
         def job() -> Tuple[Tensor, int, Any]:
             if abort.is_set():
@@ -424,8 +344,8 @@ class PipelineEngine:
             try:
                 with ops.stream_guard():
                     ops.wait_marker(marker)
-                    out, sent = compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed,
-                                                     op=cfg.op, prescale=prescale, postscale=postscale)
+                    out, sent = reduce_bucket(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
+                                              prescale=prescale, postscale=postscale).wait()
                     return out, sent, ops.ready_marker(out)
             except BaseException:
                 abort.set()  # before the main thread even sees it: the next queued job must not start
@@ -438,7 +358,7 @@ class PipelineEngine:
             ops.wait_marker(done)
             return out, sent
 
-        return _Reduction(wait)
+        return Reduction(wait)
 
     def _comm_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._worker is None:
@@ -456,16 +376,17 @@ class PipelineEngine:
                     self._fail(exc)
                     raise
                 self.stats.bytes_sent += sent
-                self.stats.fp32_bytes += allreduce_wire_bytes(bucket.numel, "float32", self.comm.size)
                 for m in bucket.members:
                     grads[m.index] = self.ops.view(flat, m.offset, m.numel, m.shape)
+            self.stats.fp32_bytes += self.schedule.fp32_wire_bytes(s.layout, self.comm.size)
             self.stats.steps += 1
             s.grads, s.reductions = grads, []
         return AppliedStep(s.step, s.grads, s.meta)
 
     # ------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:
-        """Waits for the steps in flight and returns them reduced, with codec state and counters.
+        """Waits for the steps in flight and returns them reduced, with codec state and counters
+        (the engine's part of the checkpoint format of :mod:`pipesgd_hvd.core.checkpoint`).
         Tensors are copies: training may go on after the call."""
         self._raise_if_failed()
         if self._current is not None:
@@ -477,17 +398,11 @@ class PipelineEngine:
             in_flight.append({"step": s.step, "meta": s.meta,
                               "grads": {self.specs[i].name: self.ops.new_state(g) for i, g in applied.grads.items()}})
         codec_state = {k: _copy_tree(v, self.ops) for k, v in self.codec.state_dict().items()}
-        return {"format": 1, "step": self._step, "settings": self._settings(), "in_flight": in_flight,
+        return {"step": self._step, "settings": self.settings(), "in_flight": in_flight,
                 "codec": codec_state, "stats": vars(self.stats).copy()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("format") != 1:
-            raise ValueError("not a pipesgd_hvd engine state (missing format 1)")
-        saved = [tuple(x) for x in state["settings"]]
-        mine = self._settings()
-        if [s for s in saved if s[0] in ("width", "warmup_steps")] != [s for s in mine if s[0] in ("width", "warmup_steps")]:
-            raise ValueError(f"checkpoint was written with {saved}, this pipeline has {mine}: width and "
-                             "warmup_steps must match to resume the in-flight gradients exactly")
+        """Loads :meth:`state_dict`'s entries (the caller checked the settings)."""
         if self._current is not None or self._queue:
             raise RuntimeError("load_state_dict() with gradients in flight: load before training starts")
         by_name = {spec.name: i for i, spec in enumerate(self.specs)}
@@ -497,7 +412,7 @@ class PipelineEngine:
             if missing:
                 raise ValueError(f"checkpoint holds in-flight gradients for unknown tensors {missing}")
             grads = {by_name[n]: self.ops.new_state(g) for n, g in entry["grads"].items()}
-            layout = self.layout_for(list(grads), check=False)
+            layout = self.layout_for(list(grads))
             self._queue.append(_Step(entry["step"], layout, [], [], grads=grads, meta=entry["meta"]))
         self._step = int(state["step"])
         self.codec.load_state_dict(state["codec"], self.ops)

@@ -61,7 +61,15 @@ class WeightPrediction:
     def reset(self, params: Sequence[Any]) -> None:
         """Restores the real weights and starts afresh (after a flush)."""
         self.restore(params)
+        self.stop()
+
+    def stop(self) -> None:
+        """Until the next :meth:`predict`, every call leaves the parameters alone."""
         self.ops.assign(self.started, self.ops.zeros((), "float32"))
+
+    def is_started(self) -> bool:
+        """Eagerly: whether the parameters hold a prediction (a host read of the flag)."""
+        return bool(self.ops.to_numpy(self.ops.read(self.started)) > 0.5)
 
     def state(self) -> List[Tensor]:
         return [self.started, *self.current, *self.previous]

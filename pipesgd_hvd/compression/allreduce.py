@@ -1,5 +1,8 @@
-"""The compressed all-reduce: the bytes of a ring all-reduce, one quantization per phase.
+"""One bucket's reduction across ranks, the one function every path runs (the eager engine,
+TensorFlow's traced step, the auto mode's timing), and the compressed all-reduce it uses for
+byte codecs.
 
+The compressed all-reduce moves the bytes of a ring all-reduce with one quantization per phase.
 For N ranks: split the encoded bucket into N chunks (scales travel inside each chunk), alltoall
 them (the reduce-scatter phase), decode the N chunks received, sum them in float32 and average,
 re-encode the reduced chunk, allgather, decode. Each rank sends ``2 (N-1)`` encoded chunks, as a
@@ -12,28 +15,52 @@ torch.distributed and the in-process world alike, eagerly or inside a traced Ten
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Tuple
+from typing import Callable, Tuple, Union
 
 from ..comm.base import Communicator, ReduceOp, postscale_factor
+from ..schedule import Seed, allreduce_wire_bytes
 from ..tensor_ops import ITEMSIZE, Tensor, TensorOps
 from .codecs import Codec
 
 
-def derive_seed(*parts: Any) -> int:
-    """A 63-bit seed from a few ints/strings (stable across processes, unlike ``hash``)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
+class Reduction:
+    """A bucket's reduction, started or ready to run: ``wait()`` returns (the reduced tensor,
+    the bytes this rank sent)."""
+
+    def __init__(self, wait: Callable[[], Tuple[Tensor, int]]) -> None:
+        self._wait = wait
+
+    def wait(self) -> Tuple[Tensor, int]:
+        return self._wait()
+
+
+def reduce_bucket(ops: TensorOps, comm: Communicator, codec: Codec, flat: Tensor, *, name: str, key: str,
+                  seed: Seed, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0,
+                  postscale: float = 1.0) -> Reduction:
+    """Reduce the flat bucket ``flat`` across ranks with ``codec``.
+
+    A summable codec's payload goes through a plain all-reduce, started here (in place on
+    ``flat`` for ``none``); ``wait()`` waits and decodes. A byte codec's compressed all-reduce
+    blocks between its phases, so it runs inside ``wait()``: the caller picks the thread (the
+    engine's communication thread; at trace time for TensorFlow, where it only builds ops)."""
+    if codec.summable:
+        payload, ctx = codec.encode(ops, flat, key=key, seed=seed)
+        handle = comm.allreduce_async_(payload, name, op, prescale, postscale)
+        sent = allreduce_wire_bytes(ops.numel(payload), ops.dtype_name(payload), comm.size)
+        return Reduction(lambda: (codec.decode(ops, handle.wait(), ctx), sent))
+    return Reduction(lambda: compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed, op=op,
+                                                  prescale=prescale, postscale=postscale))
 
 
 def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Tensor, *,
-                         name: str, key: str, seed: int, op: ReduceOp = ReduceOp.AVERAGE,
+                         name: str, key: str, seed: Union[Seed, int], op: ReduceOp = ReduceOp.AVERAGE,
                          prescale: float = 1.0, postscale: float = 1.0) -> Tuple[Tensor, int]:
-    """Reduce the flat float tensor ``x`` across ranks with a byte codec.
+    """Reduce the flat float tensor ``x`` across ranks with a byte codec (blocking).
 
     Returns the reduced tensor (``x``'s length and dtype) and the bytes this rank sent.
-    Blocking: the engine runs it on its communication thread, TensorFlow at trace time.
+    ``seed``: stochastic rounding's (an int is taken as ``Seed(seed)``).
     """
+    seed = seed if isinstance(seed, Seed) else Seed(int(seed))
     if codec.summable:
         raise ValueError(f"codec {codec.name} is summable: reduce it with a plain all-reduce")
     n, size, dtype = ops.numel(x), comm.size, ops.dtype_name(x)
@@ -45,14 +72,14 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
         values = ops.concat([values, ops.zeros((size * cols - n,), "float32", like=x)], 0)
     rows = ops.reshape(values, (size, cols))
 
-    payload, ctx = codec.encode(ops, rows, key=f"{key}/send", seed=derive_seed(seed, "send"))
+    payload, ctx = codec.encode(ops, rows, key=f"{key}/send", seed=seed.child("send"))
     received = comm.alltoall_async(payload, f"{name}.a2a").wait()
     total = ops.sum(codec.decode(ops, received, ctx), axis=0, keepdims=True)
     scale = postscale_factor(op, postscale, size)
     if scale != 1.0:
         total = total * scale
 
-    reduced, ctx2 = codec.encode(ops, total, key=f"{key}/reduced", seed=derive_seed(seed, "reduced"))
+    reduced, ctx2 = codec.encode(ops, total, key=f"{key}/reduced", seed=seed.child("reduced"))
     gathered = comm.allgather_async(reduced, f"{name}.ag").wait()
     out = ops.reshape(codec.decode(ops, gathered, ctx2), (size * cols,))[:n]
 
@@ -61,20 +88,4 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
     return (ops.cast(out, dtype) if dtype != "float32" else out), sent
 
 
-def reduce_blocking(ops: TensorOps, comm: Communicator, codec: Codec, x: Tensor, *, name: str, key: str,
-                    seed: int, op: ReduceOp = ReduceOp.AVERAGE) -> Tuple[Tensor, int]:
-    """One whole reduction of ``x`` with ``codec``, the way the engine runs it, waited for: a
-    summable codec's payload goes through a plain all-reduce (in place on ``x`` for ``none``),
-    a byte codec through :func:`compressed_allreduce`. Returns the result and the bytes sent.
-    (The engine itself starts the plain all-reduce and waits later; the auto mode times this.)"""
-    if not codec.summable:
-        return compressed_allreduce(ops, comm, codec, x, name=name, key=key, seed=seed, op=op)
-    payload, ctx = codec.encode(ops, x, key=key, seed=seed)
-    reduced = comm.allreduce_async_(payload, name, op).wait()
-    sent = allreduce_wire_bytes(ops.numel(payload), ops.dtype_name(payload), comm.size)
-    return codec.decode(ops, reduced, ctx), sent
-
-
-def allreduce_wire_bytes(numel: int, dtype: str, size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``numel`` values: ``2 (N-1)/N * M``."""
-    return (2 * (size - 1) * numel * ITEMSIZE[dtype]) // size
+__all__ = ["Reduction", "allreduce_wire_bytes", "compressed_allreduce", "reduce_bucket"]

@@ -1,7 +1,9 @@
 """Horovod's Keras callbacks, for Keras 3 (Horovod's own crash or do nothing there).
 
 Same names, arguments and meaning as ``horovod.tensorflow.keras.callbacks``; they work with any
-Keras 3 model, with pipesgd_hvd's optimizer or without it.
+Keras 3 model, with pipesgd_hvd's optimizer or without it. Each of them also gives the pipelined
+optimizer the Python it needs between steps (``optimizer.after_steps()``: the auto mode's
+measurements and switches), so one of them in ``fit``'s list is enough.
 """
 from __future__ import annotations
 
@@ -11,6 +13,22 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
+
+
+class _DrivesPipeline:
+    """Mixed into every callback here: after each batch, lets a pipelined optimizer run its
+    between-step work, and traces the train function again when the pipeline was rebuilt. Several
+    of these callbacks in one list run it once per step (the optimizer ignores repeats)."""
+
+    model: Any
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        parent = getattr(super(), "on_train_batch_end", None)
+        if parent is not None:
+            parent(batch, logs)
+        after_steps = getattr(getattr(self.model, "optimizer", None), "after_steps", None)
+        if after_steps is not None and after_steps():
+            self.model.make_train_function(force=True)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, name: str = "pipesgd.broadcast") -> None:
@@ -41,7 +59,7 @@ def broadcast_global_variables(root_rank: int = 0, model: Optional[keras.Model] 
     broadcast_variables(variables, root_rank, name="pipesgd.broadcast_global_variables")
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(_DrivesPipeline, keras.callbacks.Callback):
     """Broadcasts the model's and optimizer's variables from ``root_rank`` when training starts,
     so every rank starts from the same weights (random initialisation differs per rank)."""
 
@@ -56,7 +74,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_DrivesPipeline, keras.callbacks.Callback):
     """Replaces each metric in the epoch's logs by its average over ranks (put it before any
     callback that reads the metrics, such as ModelCheckpoint or ReduceLROnPlateau)."""
 
@@ -74,7 +92,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
                 logs[metric] = float(averaged)
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_DrivesPipeline, keras.callbacks.Callback):
     """Sets the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` until
     ``end_epoch``; with ``staircase=False`` the epoch is fractional and the rate changes every
     batch. ``initial_lr`` None: the optimizer's rate when training starts.
@@ -158,7 +176,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                   f"{float(self._optimizer().learning_rate):g}.")
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(_DrivesPipeline, keras.callbacks.ModelCheckpoint):
     """Keras's ModelCheckpoint with ``save_best_only=True``, saving on rank 0 only. Horovod leaves
     ``filepath`` to its Spark estimator; here pass it (``filepath="best.keras"``). Use it after
     MetricAverageCallback so every rank agrees on what "best" is."""
@@ -176,7 +194,7 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
             super()._save_model(epoch, batch, logs)
 
 
-class PipelineFlushCallback(keras.callbacks.Callback):
+class PipelineFlushCallback(_DrivesPipeline, keras.callbacks.Callback):
     """Applies the gradient still in flight when ``fit`` ends (``optimizer.flush()``), so the
     final weights include every step's gradient. Without it the gradient stays in the optimizer
     and is applied by the next ``fit`` call."""

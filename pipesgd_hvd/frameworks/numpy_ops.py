@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any, ContextManager, Optional, Sequence
 
 import numpy as np
 
+from ..schedule import eager_seed
 from ..tensor_ops import Shape
 
 
@@ -16,13 +16,6 @@ def _np_dtype(dtype: str) -> Any:
 
         return ml_dtypes.bfloat16
     return np.dtype(dtype)
-
-
-def _seed_words(seed: Any) -> int:
-    if isinstance(seed, (int, np.integer)):
-        return int(seed) & 0xFFFFFFFFFFFFFFFF
-    words = np.asarray(seed, dtype=np.int64).ravel().tobytes()
-    return int.from_bytes(hashlib.blake2b(words, digest_size=8).digest(), "little")
 
 
 class NumpyOps:
@@ -122,7 +115,7 @@ class NumpyOps:
         return np.ascontiguousarray(x).view(_np_dtype(dtype))
 
     def uniform(self, shape: Shape, seed: Any, like: Optional[np.ndarray] = None) -> np.ndarray:
-        return np.random.default_rng(_seed_words(seed)).random(shape, dtype=np.float32)
+        return np.random.default_rng(eager_seed(seed)).random(shape, dtype=np.float32)
 
     def new_state(self, value: np.ndarray) -> np.ndarray:
         return np.array(value, copy=True)

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from ..comm.base import Communicator, default_timeout, exit_if_stuck
 from ..guards import StepWatchdog, raise_if_replicas_differ
+from ..schedule import PipelineSchedule
 
 # How a Keras user re-syncs every rank's weights from rank 0 (ends the drift message).
 KERAS_RESYNC = "pipesgd_hvd.keras.broadcast_global_variables(0, model=model)"
@@ -51,9 +52,10 @@ class ReplicaCheck:
     holds ``ReplicaDriftError: replicas differ at step ...``; eagerly the error is raised as itself.
     """
 
-    def __init__(self, comm: Communicator, every: int, names: Sequence[str], pipeline_name: str) -> None:
-        self.comm, self.every, self.names = comm, int(every), list(names)
-        self._op_name = f"{pipeline_name}.replicas"  # the same on every rank (a digest of the names)
+    def __init__(self, comm: Communicator, schedule: PipelineSchedule, names: Sequence[str],
+                 pipeline_name: str) -> None:
+        self.comm, self.schedule, self.names = comm, schedule, list(names)
+        self._op_name = f"{pipeline_name}.replicas"  # the same on every rank (agreed at construction)
         with tf.init_scope():  # created eagerly even when Keras builds the optimizer inside a trace
             # The step of the last check that passed, for the message (not checkpointed: after a
             # restore it says 0, as PyTorch's does).
@@ -63,7 +65,7 @@ class ReplicaCheck:
         """Eagerly: checks if due, raises ReplicaDriftError / StepCountMismatchError, returns None.
         Traced: returns a bool tensor to make the update wait for (the check fails the step)."""
         step = tf.cast(step, tf.int64)
-        due = tf.logical_and(step > 0, tf.equal(tf.math.floormod(step, self.every), 0))
+        due = self.schedule.replica_check_due(step)
         if tf.executing_eagerly():
             if bool(due):
                 self._compare(self._gather(step, variables).numpy(), int(step), int(self.agreed_at.numpy()))
@@ -117,6 +119,10 @@ class StepProgress:
         with tf.init_scope(), tf.device("/CPU:0"):  # read by another thread: keep them off the GPU
             self.begun = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipesgd_steps_begun")
             self.ended = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipesgd_steps_ended")
+            # The auto mode's compute time: from the end of one step's collectives to this step's
+            # gradients (forward, backward, data loading, the update), in seconds.
+            self.ended_at = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="pipesgd_step_ended_at")
+            self.compute_seconds = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="pipesgd_compute_s")
         ref = weakref.ref(self)
 
         def counts() -> Tuple[int, int]:  # a weak reference: the thread ends with the optimizer
@@ -134,11 +140,15 @@ class StepProgress:
     def begin(self, after: Sequence[Optional[tf.Tensor]]) -> tf.Tensor:
         """Traced: counts the step as begun once the tensors ``after`` (the gradients) exist."""
         with tf.control_dependencies([t for t in after if t is not None]):
+            now = tf.timestamp()
+            previous = self.ended_at.read_value()
+            self.compute_seconds.assign(tf.where(previous > 0, now - previous, -1.0))
             return self.begun.assign_add(1)
 
     def end(self, after: Sequence[Optional[tf.Tensor]]) -> tf.Tensor:
         """Traced: counts the step as ended once the tensors ``after`` exist."""
         with tf.control_dependencies([t for t in after if t is not None]):
+            self.ended_at.assign(tf.timestamp())
             return self.ended.assign_add(1)
 
     @contextlib.contextmanager

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from ..schedule import Seed
 from ..tensor_ops import Shape
 
 _DTYPES = {"float16": tf.float16, "bfloat16": tf.bfloat16, "float32": tf.float32, "float64": tf.float64,
@@ -23,13 +24,6 @@ def tf_dtype(dtype: str) -> tf.DType:
 
 class TensorFlowOps:
     name = "tensorflow"
-
-    def __init__(self) -> None:
-        # Stochastic rounding needs fresh randomness every step. Inside a traced step the
-        # Python-level seed is a constant of the trace, so the pipeline sets ``step`` to its
-        # step-counter variable and the seed becomes (constant, step): different every step,
-        # identical on every rank (ranks must round the shared chunks alike).
-        self.step: Optional[tf.Variable] = None
 
     def dtype_name(self, x: Any) -> str:
         return tf.as_dtype(x.dtype).name
@@ -123,11 +117,14 @@ class TensorFlowOps:
         return tf.bitcast(tf.reshape(x, shape[:-1] + (shape[-1] // ratio, ratio)), target)
 
     def uniform(self, shape: Shape, seed: Any, like: Optional[Any] = None) -> tf.Tensor:
-        words = int(seed) & 0x7FFFFFFFFFFFFFFF if isinstance(seed, (int, np.integer)) else seed
-        low = tf.constant(words & 0x7FFFFFFF, tf.int64) if isinstance(words, int) else tf.cast(words, tf.int64)
-        high = (tf.cast(self.step.read_value(), tf.int64) if self.step is not None
-                else tf.constant((words >> 31) & 0x7FFFFFFF if isinstance(words, int) else 0, tf.int64))
-        return tf.random.stateless_uniform(shape, seed=tf.stack([low, high]), dtype=tf.float32)
+        # A Seed's step may be the traced step counter: fresh noise every step, with the same
+        # graph. A plain int seed (codec tests) is split into two 31-bit words.
+        if isinstance(seed, Seed):
+            words = [tf.constant(seed.base & 0x7FFFFFFF, tf.int64), tf.cast(seed.step, tf.int64)]
+        else:
+            value = int(seed) & 0x7FFFFFFFFFFFFFFF
+            words = [tf.constant(value & 0x7FFFFFFF, tf.int64), tf.constant((value >> 31) & 0x7FFFFFFF, tf.int64)]
+        return tf.random.stateless_uniform(shape, seed=tf.stack(words), dtype=tf.float32)
 
     def new_state(self, value: Any) -> tf.Variable:
         # Created outside any trace (init_scope) with a static shape, then assigned in place, so

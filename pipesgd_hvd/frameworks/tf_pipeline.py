@@ -2,39 +2,42 @@
 
 PyTorch's adapter drives :class:`~pipesgd_hvd.engine.PipelineEngine` from Python, step by step.
 A Keras ``train_step`` is one ``tf.function``: Python runs once, at trace time, so the pipeline's
-state must be variables and its control flow graph ops. Same update rule, same codecs, same
-compressed all-reduce (written once, against ``TensorOps``); only the bookkeeping differs.
+state must be variables and its control flow graph ops. The rule (which step applies what, which
+slot holds a pending gradient), the collectives' names and seeds, the one reduction function and
+the byte accounting are the engine's: :mod:`pipesgd_hvd.schedule` and
+:func:`pipesgd_hvd.compression.allreduce.reduce_bucket`, here called with the step-counter
+variable instead of an int.
 
-Per step s, with width K and warm-up W (staleness K-1)::
+Why the reduction of the pending gradient overlaps this step's forward and backward pass: its
+inputs are a slot variable and the step counter, nothing this step computes, so TensorFlow's
+executor may start it as soon as the step starts. Automatic control dependencies (ACD) in
+``tf.function`` order only ops that touch the same resource (plus ops with unknown side
+effects, chained in program order); the forward and backward pass touch the model's variables,
+the reduction touches our slot and codec variables, so ACD adds no edge between them. Horovod's
+ops are asynchronous kernels: they enqueue the tensor with Horovod's background thread and free
+the executor thread. The write of this step's gradient into the slot comes after the read in
+program order, and ACD orders the two (same resource). ``tests/mp/tf_custom_loop.py`` checks the
+traced graph.
 
-    stale   = reduce(slot[(s - W) % (K-1)])   if s >= W + K - 1   # step s-K+1's gradient
-    current = reduce(flatten(grads))          if s <  W           # warm-up: synchronous
-    slot[(s - W) % (K-1)] = flatten(grads)    if s >= W
-    apply stale (or current); nothing while the pipeline fills (W <= s < W + K - 1)
-
-Why the reduction of ``stale`` overlaps this step's forward and backward pass: its inputs are a
-slot variable and the step counter, nothing this step computes, so TensorFlow's executor may start
-it as soon as the step starts. Automatic control dependencies (ACD) in ``tf.function`` order only
-ops that touch the same resource (plus ops with unknown side effects, chained in program order);
-the forward and backward pass touch the model's variables, the reduction touches our slot and
-codec variables, so ACD adds no edge between them. Horovod's ops are asynchronous kernels: they
-enqueue the tensor with Horovod's background thread and free the executor thread. The write of
-this step's gradient into the slot comes after the read in program order, and ACD orders the two
-(same resource). ``tests/test_keras_multiprocess.py`` measures the overlap (step time against
-compute and communication alone).
+A slot can also hold a gradient that is reduced already (``reduced``): after
+:meth:`GraphPipeline.state_dict` settled it for a checkpoint or an elastic commit, or after
+:meth:`GraphPipeline.load_state_dict`; the step then applies it as it is.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from ..comm.base import Communicator
-from ..compression.allreduce import allreduce_wire_bytes, compressed_allreduce, derive_seed
+from ..compression.allreduce import reduce_bucket
 from ..compression.codecs import Codec
-from ..consistency import check_ranks_agree, settings_entries
-from ..engine import PipelineConfig
+from ..config import PipelineConfig, WireStats, settings_entries
+from ..consistency import check_pipeline_agrees
+from ..engine import AppliedStep
 from ..fusion import Bucket, TensorSpec, plan_buckets
+from ..schedule import PipelineSchedule, Step
 from .tf_ops import TensorFlowOps, tf_dtype
 
 
@@ -42,43 +45,30 @@ from .tf_ops import TensorFlowOps, tf_dtype
 STALE_SCOPE, SYNC_SCOPE = "pipesgd_stale_reduction", "pipesgd_sync_reduction"
 
 
-def reduce_bucket(ops: TensorFlowOps, comm: Communicator, codec: Codec, config: PipelineConfig,
-                  flat: tf.Tensor, *, name: str, key: str, seed: int) -> Tuple[tf.Tensor, int]:
-    """One bucket's average across ranks (blocking: a graph op). Returns it and the bytes sent."""
-    prescale, postscale = config.scale_factors()
-    if codec.summable:
-        payload, ctx = codec.encode(ops, flat, key=key, seed=seed)
-        reduced = comm.allreduce_async_(payload, name, config.op, prescale, postscale).wait()
-        sent = allreduce_wire_bytes(ops.numel(payload), ops.dtype_name(payload), comm.size)
-        return codec.decode(ops, reduced, ctx), sent
-    return compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed, op=config.op,
-                                prescale=prescale, postscale=postscale)
-
-
 class GraphPipeline(tf.Module):
     """Width-K pipeline whose state is TensorFlow variables (saved by ``tf.train.Checkpoint``)."""
 
     def __init__(self, specs: Sequence[TensorSpec], *, comm: Communicator, codec: Codec,
-                 config: PipelineConfig) -> None:
+                 config: PipelineConfig, first_step: int = 0, check_ranks: bool = True) -> None:
         super().__init__(name="pipesgd")
         self.specs = list(specs)
         self.comm, self.codec, self.config = comm, codec, config
+        self.schedule = PipelineSchedule(config)
         self.ops = TensorFlowOps()
         # Gradients arrive all at once in TensorFlow; reverse order still puts the output layer,
         # whose gradient the backward pass finishes first, in the first bucket.
         self.layout = plan_buckets(self.specs, list(range(len(self.specs)))[::-1], config.fusion_threshold_bytes)
         with tf.init_scope():  # eager even when Keras builds the optimizer inside a trace
-            check_ranks_agree(comm, {  # the same entries as PipelineEngine's (PyTorch) check
-                "settings": settings_entries(config, codec.name) + [
-                    ("check_replicas_every", config.check_replicas_every)],
-                "tensors": [(s.name, tuple(s.shape), s.dtype) for s in self.specs]})
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            if check_ranks:
+                check_pipeline_agrees(comm, config, codec.name, self.specs)
+            self.step_counter = tf.Variable(first_step, dtype=tf.int64, trainable=False, name="step")
             # First pipelined step since warm-up or the last flush: the pipeline fills from here.
-            self.start = tf.Variable(config.warmup_steps, dtype=tf.int64, trainable=False, name="start")
-            self.ops.step = self.step
+            self.start = tf.Variable(max(first_step, config.warmup_steps), dtype=tf.int64, trainable=False,
+                                     name="start")
             slots = max(config.width - 1, 1)
             self.slots = [tf.Variable(tf.zeros((slots, b.numel), tf_dtype(b.dtype)), trainable=False,
                                       name=f"pending_b{b.index}") for b in self.layout.buckets]
+            self.reduced = tf.Variable(tf.zeros((slots,), tf.bool), trainable=False, name="pending_reduced")
             self.bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
             self.fp32_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="fp32_bytes")
             self.codec_state = self._prime_codec()
@@ -87,25 +77,31 @@ class GraphPipeline(tf.Module):
     def exchange(self, grads: Sequence[Optional[tf.Tensor]]) -> Tuple[List[Optional[tf.Tensor]], tf.Tensor]:
         """This step's local gradients in, the averaged gradients to apply out (None where the
         local gradient was None), and whether to apply them at all (False while filling)."""
-        width, warmup = self.config.width, self.config.warmup_steps
-        step = self.step.read_value()
+        schedule = self.schedule
+        step = self.step_counter.read_value()
         flats = [self._flatten(bucket, grads) for bucket in self.layout.buckets]
-        if width == 1:
-            reduced = self._reduce_all(flats, "sync")
+        if self.config.width == 1:
+            reduced = self._reduce_all(flats, "sync", step)
+            self._count(tf.constant(True))
             apply = tf.constant(True)
         else:
-            zeros = [tf.zeros_like(f) for f in flats]
             start = self.start.read_value()
-            slot = tf.math.floormod(step - start, width - 1)
-            has_stale = step >= start + width - 1
+            slot = schedule.pending_slot(step, start)
+            has_stale = schedule.has_stale(step, start)
+            pending = [tf.gather(v, slot) for v in self.slots]
+            must_reduce = tf.logical_and(has_stale, tf.logical_not(tf.gather(self.reduced, slot)))
             # No input computed by this step: free to run beside the forward/backward pass.
             with tf.name_scope(STALE_SCOPE):
-                stale = tf.cond(has_stale, lambda: self._reduce_all([tf.gather(v, slot) for v in self.slots],
-                                                                    "stale"), lambda: zeros)
-            in_warmup = step < warmup
-            if warmup > 0:
+                # Seeded by the step that computed the gradient, as a flush or the engine seeds it.
+                computed_at = step - (self.config.width - 1)
+                stale = tf.cond(must_reduce, lambda: self._reduce_all(pending, "stale", computed_at), lambda: pending)
+            self._count(must_reduce)
+            in_warmup = schedule.in_warmup(step)
+            if self.config.warmup_steps > 0:
+                zeros = [tf.zeros_like(f) for f in flats]
                 with tf.name_scope(SYNC_SCOPE):
-                    current = tf.cond(in_warmup, lambda: self._reduce_all(flats, "sync"), lambda: zeros)
+                    current = tf.cond(in_warmup, lambda: self._reduce_all(flats, "sync", step), lambda: zeros)
+                self._count(in_warmup)
                 reduced = [tf.where(in_warmup, c, s) for c, s in zip(current, stale)]
             else:
                 reduced = stale
@@ -113,25 +109,113 @@ class GraphPipeline(tf.Module):
                 for v, f in zip(self.slots, flats):
                     tf.cond(in_warmup, tf.no_op, lambda v=v, f=f: v.scatter_update(
                         tf.IndexedSlices(f[None], tf.reshape(slot, (1,)))).op)
-            apply = tf.logical_or(in_warmup, has_stale)
-        self._count(apply)
+                tf.cond(in_warmup, tf.no_op, lambda: self.reduced.scatter_update(
+                    tf.IndexedSlices(tf.constant([False]), tf.reshape(slot, (1,)))).op)
+            apply = schedule.applies(step, start)
         with tf.control_dependencies(reduced):
-            self.step.assign_add(1)
+            self.step_counter.assign_add(1)
         return self._unflatten(reduced, grads), apply
 
-    def flush(self) -> List[List[tf.Tensor]]:
+    # ------------------------------------------------------------------------------- eager
+    def flush(self) -> List[AppliedStep]:
         """Eagerly: reduces the gradients still in the pipeline and returns them, oldest first (a
         collective: every rank calls it at the same step). The next step fills the pipeline anew."""
-        width, warmup = self.config.width, self.config.warmup_steps
-        step, start = int(self.step.numpy()), int(self.start.numpy())
-        out = []
-        for age in range(min(step - start, width - 1), 0, -1):  # oldest first
-            slot = (step - age - start) % (width - 1)
-            reduced = self._reduce_all([v[slot] for v in self.slots], "flush")
-            self._count(tf.constant(True))
-            out.append(self._unflatten(reduced, [tf.zeros(s.shape) for s in self.specs]))
-        self.start.assign(max(step, warmup))
+        out = [AppliedStep(s, self._by_index(flats)) for s, flats in self._settled()]
+        self.start.assign(max(self.step, self.config.warmup_steps))
+        self.reduced.assign(tf.zeros_like(self.reduced))
         return out
+
+    def _pending(self) -> List[Tuple[int, int]]:
+        """(step, slot) of each pending gradient, oldest first."""
+        step, start = self.step, int(self.start.numpy())
+        slots = self.schedule.flush_order(step, start)
+        return [(step - len(slots) + i, slot) for i, slot in enumerate(slots)]
+
+    def _settled(self) -> List[Tuple[int, List[tf.Tensor]]]:
+        """Eagerly and collectively: each pending gradient reduced (reducing those not reduced
+        yet and keeping the result in their slot), oldest first, as (step, flat buckets)."""
+        out = []
+        for step, slot in self._pending():
+            flats = [v[slot] for v in self.slots]
+            if not bool(self.reduced[slot].numpy()):
+                flats = self._reduce_all(flats, "flush", tf.constant(step, tf.int64))
+                self._count(tf.constant(True))
+                for v, f in zip(self.slots, flats):
+                    v[slot].assign(f)
+                self.reduced[slot].assign(True)
+            out.append((step, flats))
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The engine's part of the checkpoint entry (:mod:`pipesgd_hvd.core.checkpoint`), eagerly.
+        Collective: pending gradients are reduced now (and stay reduced in their slots)."""
+        in_flight = [{"step": step, "meta": None,
+                      "grads": {self.specs[i].name: g.numpy() for i, g in self._by_index(flats).items()}}
+                     for step, flats in self._settled()]
+        codec = {"residuals": {k: v.numpy() for k, v in self._residuals().items()}} if self._residuals() else {}
+        return {"step": self.step, "settings": self.settings(), "in_flight": in_flight, "codec": codec,
+                "stats": vars(self.stats).copy()}
+
+    def reduced_state_dict(self) -> Dict[str, Any]:
+        """:meth:`state_dict` without the collective: only the pending gradients reduced already
+        (at a change of the world the others cannot be reduced any more: they are dropped)."""
+        in_flight = [{"step": step, "meta": None, "grads": {
+            self.specs[i].name: g.numpy() for i, g in self._by_index([v[slot] for v in self.slots]).items()}}
+            for step, slot in self._pending() if bool(self.reduced[slot].numpy())]
+        return {"step": self.step, "settings": self.settings(), "in_flight": in_flight, "codec": {},
+                "stats": vars(self.stats).copy()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Loads the engine's part of a checkpoint entry (the caller checked the settings)."""
+        step, in_flight = int(state["step"]), list(state["in_flight"])
+        start = max(step - len(in_flight), self.config.warmup_steps)
+        self.step_counter.assign(step)
+        self.start.assign(start)
+        self.reduced.assign(tf.zeros_like(self.reduced))
+        by_name = {s.name: i for i, s in enumerate(self.specs)}
+        for entry in in_flight:
+            unknown = sorted(set(entry["grads"]) - set(by_name))
+            if unknown:
+                raise ValueError(f"checkpoint holds in-flight gradients for unknown tensors {unknown}")
+            grads = {by_name[n]: tf.convert_to_tensor(g) for n, g in entry["grads"].items()}
+            slot = int(self.schedule.pending_slot(int(entry["step"]), start))
+            for bucket, v in zip(self.layout.buckets, self.slots):
+                v[slot].assign(self._flatten(bucket, [grads.get(i) for i in range(len(self.specs))]))
+            self.reduced[slot].assign(True)
+        saved = (state.get("codec") or {}).get("residuals", {})
+        for key, variable in self._residuals().items():  # in place: traced steps hold these variables
+            value = saved.get(key)
+            variable.assign(value if value is not None and tuple(np.shape(value)) == tuple(variable.shape)
+                            else tf.zeros_like(variable))
+        self.stats = WireStats(**(state.get("stats") or {}))
+
+    def _residuals(self) -> Dict[str, tf.Variable]:
+        return dict(self.codec.state_dict().get("residuals", {}))
+
+    @property
+    def step(self) -> int:
+        """Steps ended so far (eagerly; traced code reads ``step_counter``)."""
+        return int(self.step_counter.numpy())
+
+    @property
+    def stats(self) -> WireStats:
+        return WireStats(steps=self.step, bytes_sent=int(self.bytes_sent.numpy()), fp32_bytes=int(self.fp32_bytes.numpy()))
+
+    @stats.setter
+    def stats(self, value: WireStats) -> None:
+        self.bytes_sent.assign(value.bytes_sent)
+        self.fp32_bytes.assign(value.fp32_bytes)
+
+    def settings(self) -> List[Tuple[str, Any]]:
+        return settings_entries(self.config, self.codec.name)
+
+    def abandon(self) -> Dict[str, Any]:
+        """At a change of the world: the state of the gradients reduced already; the rest, local
+        gradients the old world would have reduced, are dropped (on every rank alike)."""
+        return self.reduced_state_dict()
+
+    def close(self) -> None:
+        """Nothing runs outside the traced steps: nothing to stop."""
 
     # ------------------------------------------------------------------------------ helpers
     def _flatten(self, bucket: Bucket, grads: Sequence[Optional[tf.Tensor]]) -> tf.Tensor:
@@ -142,22 +226,26 @@ class GraphPipeline(tf.Module):
             parts.append(tf.zeros((m.numel,), dtype) if g is None else tf.reshape(tf.cast(g, dtype), (-1,)))
         return tf.concat(parts, 0) if len(parts) > 1 else parts[0]
 
-    def _unflatten(self, flats: Sequence[tf.Tensor], like: Sequence[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
-        out: List[Optional[tf.Tensor]] = [None] * len(self.specs)
+    def _by_index(self, flats: Sequence[tf.Tensor]) -> Dict[int, tf.Tensor]:
+        out = {}
         for bucket, flat in zip(self.layout.buckets, flats):
             for m in bucket.members:
-                if like[m.index] is not None:
-                    out[m.index] = tf.reshape(flat[m.offset:m.offset + m.numel], m.shape)
+                out[m.index] = tf.reshape(flat[m.offset:m.offset + m.numel], m.shape)
         return out
 
-    def _reduce_all(self, flats: Sequence[tf.Tensor], tag: str) -> List[tf.Tensor]:
+    def _unflatten(self, flats: Sequence[tf.Tensor], like: Sequence[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
+        by_index = self._by_index(flats)
+        return [by_index[i] if like[i] is not None else None for i in range(len(self.specs))]
+
+    def _reduce_all(self, flats: Sequence[tf.Tensor], tag: str, step: Step) -> List[tf.Tensor]:
+        """Every bucket reduced; ``step``: the step whose gradient it is (seeds rounding)."""
+        schedule, (prescale, postscale) = self.schedule, self.config.scale_factors()
         out, sent = [], 0
         for bucket, flat in zip(self.layout.buckets, flats):
             reduced, bucket_sent = reduce_bucket(
-                self.ops, self.comm, self.codec, self.config, flat,
-                name=f"{self.config.name}.{self.layout.key}.b{bucket.index}.{tag}",
-                key=f"{self.layout.key}.b{bucket.index}",
-                seed=derive_seed(self.config.seed, bucket.index, self.comm.rank))
+                self.ops, self.comm, self.codec, flat, name=schedule.op_name(self.layout, bucket.index, tag),
+                key=schedule.state_key(self.layout, bucket.index), seed=schedule.seed(bucket.index, self.comm.rank, step),
+                op=self.config.op, prescale=prescale, postscale=postscale).wait()
             out.append(reduced)
             sent += bucket_sent
         self._sent = sent  # a Python int known at trace time; the same for every reduction
@@ -165,7 +253,7 @@ class GraphPipeline(tf.Module):
 
     def _count(self, happened: tf.Tensor) -> None:
         """Adds one reduction's bytes to the counters when ``happened`` (a traced bool)."""
-        fp32 = sum(allreduce_wire_bytes(b.numel, "float32", self.comm.size) for b in self.layout.buckets)
+        fp32 = self.schedule.fp32_wire_bytes(self.layout, self.comm.size)
         self.bytes_sent.assign_add(tf.where(happened, tf.constant(self._sent, tf.int64), 0))
         self.fp32_bytes.assign_add(tf.where(happened, tf.constant(fp32, tf.int64), 0))
 
@@ -173,5 +261,5 @@ class GraphPipeline(tf.Module):
         """Creates the codec's state variables (error-feedback residuals) now, by reducing zeros
         once (all ranks do it at build), so they exist before any trace and are checkpointed.
         Also sets the bytes one reduction sends."""
-        self._reduce_all([tf.zeros((b.numel,), tf_dtype(b.dtype)) for b in self.layout.buckets], "prime")
-        return [v for _, v in sorted(self.codec.state_dict().get("residuals", {}).items())]
+        self._reduce_all([tf.zeros((b.numel,), tf_dtype(b.dtype)) for b in self.layout.buckets], "prime", 0)
+        return [v for _, v in sorted(self._residuals().items())]

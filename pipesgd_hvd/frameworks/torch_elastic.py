@@ -6,7 +6,7 @@ registry, first match by ``isinstance``. Horovod's ``OptimizerStateHandler`` res
 ``broadcast_optimizer_state``, which sends only the wrapped optimizer's tensors: a joining
 worker would miss the in-flight gradient and apply nothing where the others apply it. So the
 pipelined optimizer gets its own handler, put ahead of Horovod's when an optimizer is built;
-user code stays exactly Horovod's elastic example.
+user code stays exactly Horovod's elastic example. The work is the optimizer core's.
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ class PipelinedOptimizerStateHandler(_hvd_state.OptimizerStateHandler):
     reductions, rebuild for the new world, continue from rank 0's state."""
 
     def __init__(self, optimizer: Any) -> None:
-        optimizer._check_elastic_support()
+        optimizer.core.check_elastic_support()
         super().__init__(optimizer)
 
     def restore(self) -> None:
-        self.value._elastic_restore(self._saved_optimizer_state)
+        self.value.core.elastic_restore(self._saved_optimizer_state)
 
     def sync(self) -> None:
-        self.value._elastic_sync()
+        self.value.core.elastic_sync()
 
 
 def register_elastic_handler(optimizer_class: type) -> None:

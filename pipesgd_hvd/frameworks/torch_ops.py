@@ -8,6 +8,7 @@ from typing import Any, ContextManager, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..schedule import eager_seed
 from ..tensor_ops import Shape
 
 _DTYPES = {
@@ -134,7 +135,7 @@ class TorchOps:
     def uniform(self, shape: Shape, seed: Any, like: Optional[torch.Tensor] = None) -> torch.Tensor:
         device = _device(like)
         gen = torch.Generator(device=device)
-        gen.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
+        gen.manual_seed(eager_seed(seed))
         return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
 
     def new_state(self, value: torch.Tensor) -> torch.Tensor:

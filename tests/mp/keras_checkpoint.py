@@ -31,7 +31,7 @@ if mode == "part1":
 elif mode == "part2":
     opt.build(model.trainable_variables)  # the pipeline's variables exist, so restore fills them now
     checkpoint.restore(f"{directory}/ckpt.{rank}-1").assert_consumed()
-    start = int(opt.pipeline.step.numpy())
+    start = opt.pipeline.step
     assert start == save_at, (start, save_at)
 
 model.fit(x[start * BATCH:stop * BATCH], y[start * BATCH:stop * BATCH], batch_size=BATCH, shuffle=False, verbose=0)

@@ -50,11 +50,8 @@ if case == "arguments":
          lambda: psgd.DistributedOptimizer(sgd(), check_replicas_every=-1)),
         (ValueError, "check_replicas_every must be an int >= 0 steps (0 or None: never), got 2.5",
          lambda: psgd.DistributedOptimizer(sgd(), check_replicas_every=2.5)),
-        (ValueError, "width='auto' is supported by pipesgd_hvd.torch only for now; with Keras/TensorFlow pass "
-                     "width=2", lambda: psgd.DistributedOptimizer(sgd(), width="auto")),
-        (ValueError, "compression='auto' is supported by pipesgd_hvd.torch only for now; with Keras/TensorFlow "
-                     "pass a fixed codec: compression='int8'",
-         lambda: psgd.DistributedOptimizer(sgd(), compression="auto")),
+        (ValueError, "auto_measure_steps must be an int >= 2",
+         lambda: psgd.DistributedOptimizer(sgd(), width="auto", auto_measure_steps=1)),
         (TypeError, "must be a Keras 3 optimizer", lambda: psgd.DistributedOptimizer(tf.Variable(1.0))),
         (TypeError, "already a pipesgd_hvd DistributedOptimizer",
          lambda: psgd.DistributedOptimizer(psgd.DistributedOptimizer(sgd()))),
@@ -178,8 +175,8 @@ elif case == "drift":
         opt.flush()
         assert_replicas_identical(model, f"drift-clean-{loop}")
         last = (12 - 1) // every * every  # the last step a check ran at, and passed
-        assert int(opt.pipeline.step.numpy()) == 12, int(opt.pipeline.step.numpy())
-        assert int(opt._pipesgd_replicas.agreed_at.numpy()) == last, (loop, opt._pipesgd_replicas.agreed_at)
+        assert opt.pipeline.step == 12, opt.pipeline.step
+        assert int(opt.core.replicas.agreed_at.numpy()) == last, (loop, opt.core.replicas.agreed_at)
         passed(f"keras-drift-checks-pass-while-equal-{loop}")
 
     for loop in ("fit", "tf.function", "eager"):

@@ -1,0 +1,201 @@
+"""What every pipelined optimizer shares, whether its step runs in Python (PyTorch) or in a traced
+graph (Keras): the pipeline's life and its state around the steps.
+
+:class:`PipelineLifecycle` owns the pipeline object (the eager
+:class:`~pipesgd_hvd.engine.PipelineEngine`, or TensorFlow's ``GraphPipeline``, both built by a
+:class:`PipelineBuilder` the adapter supplies) and everything that replaces or saves it:
+
+* its name, agreed across ranks (:func:`~pipesgd_hvd.consistency.agree_pipeline_name`);
+* the auto mode (:mod:`pipesgd_hvd.auto_controller`), which rebuilds it with another width or
+  codec at a step every rank agrees on;
+* weight prediction's state (``staleness_correction``);
+* the one checkpoint entry (:mod:`pipesgd_hvd.core.checkpoint`);
+* Horovod elastic: dropping what the old world left in flight, rebuilding for the new world and
+  continuing from rank 0's state (the rule of :mod:`pipesgd_hvd.elastic`).
+"""
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence
+
+from .. import elastic
+from ..auto_controller import AutoController
+from ..comm.base import Communicator
+from ..compression import resolve_compression
+from ..compression.codecs import Codec
+from ..config import PipelineConfig, WireStats
+from ..consistency import agree_pipeline_name, provisional_name
+from ..engine import AppliedStep
+from ..fusion import TensorSpec
+from ..staleness import WeightPrediction
+from ..tensor_ops import Tensor, TensorOps
+from . import checkpoint
+from .options import PipelineOptions
+
+
+class Pipeline(Protocol):
+    """What the life cycle needs of a pipeline (the eager engine and TensorFlow's both are one)."""
+
+    specs: List[TensorSpec]
+    codec: Codec
+    config: PipelineConfig
+    stats: Any
+
+    @property
+    def step(self) -> int: ...
+    def flush(self) -> List[AppliedStep]: ...
+    def settings(self) -> List[Any]: ...
+    def state_dict(self) -> Dict[str, Any]:
+        """The engine's part of the checkpoint entry (collective: in-flight steps are reduced)."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+    def abandon(self) -> Dict[str, Any]:
+        """At a change of the world: drop what is not reduced yet, return :meth:`state_dict` of
+        the rest without any collective; the pipeline is unusable afterwards."""
+    def close(self) -> None: ...
+
+
+class PipelineBuilder(Protocol):
+    def __call__(self, config: PipelineConfig, codec: Codec, *, first_step: int, check_ranks: bool) -> Pipeline:
+        """A new pipeline; ``check_ranks``: run the cross-rank check of settings and tensors
+        (collective) now."""
+        ...
+
+
+class PipelineLifecycle:
+    """The pipeline of one optimizer, from construction to interpreter exit (module docstring)."""
+
+    def __init__(self, options: PipelineOptions, names: Sequence[str], comm: Communicator, ops: TensorOps,
+                 build: PipelineBuilder, weights: Callable[[], List[Tensor]],
+                 weights_guard: Callable[[], ContextManager[Any]]) -> None:
+        """``weights``/``weights_guard``: the tensors weight prediction writes, and the context
+        to write them in (``torch.no_grad``)."""
+        self.options, self.comm, self.ops = options, comm, ops
+        self.names = list(names)
+        self._build, self._weights, self._weights_guard = build, weights, weights_guard
+        self.width, self._codec_template = options.initial()
+        # Under Horovod elastic a joining worker builds its optimizer while the others sync, so it
+        # issues no collective here; the pipeline is built again, checked, in elastic_sync().
+        joining = elastic.is_elastic_job()
+        self._name = provisional_name() if joining else agree_pipeline_name(comm)
+        self.pipeline = self._new_pipeline(check_ranks=not joining)
+        self.auto_controller = None if options.auto is None else \
+            AutoController(options.auto, comm, ops, rebuild=self._switch)  # type: ignore[arg-type]
+        self.prediction = self._new_prediction()
+        self.switched: List[Callable[[], None]] = []  # told after the auto mode rebuilt the pipeline
+
+    # ------------------------------------------------------------------------ the pipeline
+    @property
+    def name(self) -> str:
+        """The prefix of this optimizer's collective names (the same on every rank)."""
+        return self._name
+
+    @property
+    def stats(self) -> WireStats:
+        return self.pipeline.stats
+
+    def _new_pipeline(self, first_step: int = 0, check_ranks: bool = True) -> Pipeline:
+        config = self.options.config(self._name, width=self.width)
+        return self._build(config, resolve_compression(self._codec_template), first_step=first_step,
+                           check_ranks=check_ranks)
+
+    def rebuild(self) -> None:
+        """A new pipeline over the same settings (the tensor list changed before training)."""
+        self.pipeline.close()
+        self.pipeline = self._new_pipeline()
+        self.prediction = self._new_prediction()
+
+    def _switch(self, width: int, compression: Any) -> None:
+        """The auto mode's rebuild: the pipeline was flushed; the next one continues its step
+        count and byte counts (a fresh name per configuration keeps the collectives' names apart)."""
+        old = self.pipeline
+        old.close()
+        self.width, self._codec_template = width, compression
+        self._name = f"{self._name.split('.auto')[0]}.auto{old.step}"
+        self.pipeline = self._new_pipeline(first_step=old.step)
+        self.pipeline.stats = old.stats
+        for listener in self.switched:
+            listener()
+
+    def _new_prediction(self) -> Optional[WeightPrediction]:
+        if self.options.staleness_correction is None:
+            return None
+        with self._weights_guard():
+            return WeightPrediction(self.ops, self._weights())
+
+    # ------------------------------------------------------------------------ checkpointing
+    def compose_state(self) -> Dict[str, Any]:
+        """The checkpoint entry (collective: in-flight steps are reduced or waited for)."""
+        return checkpoint.compose(
+            self.pipeline.state_dict(),
+            auto=self.auto_controller.state_dict() if self.auto_controller is not None else None,
+            prediction=self.prediction.state_dict(self.names) if self.prediction is not None else None)
+
+    def load_entry(self, entry: Dict[str, Any]) -> None:
+        """Loads the pipeline's part of an entry (format 2). Rebuilding the pipeline for a saved
+        auto choice is collective: load on every rank."""
+        if entry.get("auto") is not None and self.auto_controller is not None:
+            self.auto_controller.load_state_dict(entry["auto"])  # the width and codec it ran with
+        checkpoint.check_resumable(entry["settings"], self.pipeline.settings())
+        self.pipeline.load_state_dict(entry)
+
+    def load_prediction(self, saved: Optional[Dict[str, Any]]) -> bool:
+        """After the model's weights were loaded: the tensors get the prediction the next gradient
+        is computed at (with the correction), or the real weights (a correction checkpoint
+        resumed without it). A checkpoint without prediction state starts predicting afresh.
+        Returns whether the tensors now hold a prediction."""
+        weights = self._weights()
+        with self._weights_guard():
+            if self.prediction is not None and saved is not None:
+                self.prediction.load_state_dict(saved, self.names, weights)
+            elif self.prediction is not None:
+                self.prediction.stop()
+            elif saved is not None and saved["started"]:
+                for name, w in zip(self.names, weights):
+                    self.ops.assign(w, saved["current"][name])
+        return self.prediction is not None and self.prediction.is_started()
+
+    # -------------------------------------------------------------------- Horovod elastic
+    def check_elastic_support(self) -> None:
+        if self.auto_controller is not None or self.prediction is not None:
+            raise ValueError("Horovod elastic states do not support width='auto', compression='auto' or "
+                             "staleness_correction yet: pass a fixed width and compression, without "
+                             "staleness_correction")
+
+    def elastic_restore(self, entry: Optional[Dict[str, Any]]) -> None:
+        """After HorovodInternalError (a worker was lost): drop what is in flight, unwaited, and
+        go back to the committed entry. Horovod is broken here: no collective."""
+        self.pipeline.abandon()
+        self.pipeline = self._new_pipeline(check_ranks=False)
+        if entry is not None:
+            self.pipeline.load_state_dict(entry)
+
+    def elastic_sync(self, root_state: Callable[[], Any] = lambda: None,
+                     load_root_state: Callable[[Any], None] = lambda state: None) -> None:
+        """On every rank of a new world (after a reset, and at the start): drop the old world's
+        unreduced steps, rebuild the pipeline for this world (cross-rank check included) and
+        continue from rank 0's state: ``root_state()`` (the wrapped optimizer's, loaded with
+        ``load_root_state``), the reduced in-flight gradients and the step count; error-feedback
+        residuals start afresh (pipesgd_hvd.elastic)."""
+        held = self.pipeline.abandon()
+        self._name = agree_pipeline_name(self.comm)  # collective: every rank of the new world is here
+        self.pipeline = self._new_pipeline()
+        root = None
+        if self.comm.rank == 0:
+            root = (root_state(), elastic.state_for_new_world(held, self.pipeline.codec.state_dict()))
+        outer, entry = self.comm.allgather_object(root, f"{self._name}.elastic")[0]
+        load_root_state(outer)
+        self.pipeline.load_state_dict(entry)
+
+
+def call_at_exit(owner: Any, method: Callable[[Any], None]) -> None:
+    """Runs ``method(owner)`` at interpreter exit if ``owner`` is still alive then (a weak
+    reference: an optimizer dropped earlier is not kept alive by it)."""
+    ref = weakref.ref(owner)
+
+    def finish() -> None:
+        alive = ref()
+        if alive is not None:
+            method(alive)
+
+    atexit.register(finish)

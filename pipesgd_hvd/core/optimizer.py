@@ -1,0 +1,328 @@
+"""The pipelined optimizer's per-step policy for frameworks whose step runs in Python (PyTorch),
+written once and framework-free: a framework plugs in through :class:`TrainingAdapter`.
+
+Per step::
+
+    adapter hooks  -> core.gradient_ready(i)    as each local gradient is produced (backward pass)
+    user / adapter -> core.synchronize()         end the step's communication; the gradient to
+                                                 apply now (step t-K+1's average) is written
+    user / adapter -> core.step(closure)         run the wrapped optimizer's update on it, or
+                                                 nothing while the pipeline fills
+
+On top of :class:`~pipesgd_hvd.core.lifecycle.PipelineLifecycle` (the engine's life, auto mode,
+checkpoint entry, elastic), the core owns the fill/apply bookkeeping (a step that has nothing
+to apply yet, a GradScaler that skipped a step, older steps applied early when the width
+shrinks), backward-pass counting, flush-and-apply, the sequencing of weight prediction around
+the update, and what happens at interpreter exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+
+from ..comm.base import Communicator, exit_if_stuck
+from ..compression.codecs import Codec
+from ..config import PipelineConfig
+from ..engine import AppliedStep, PipelineEngine
+from ..fusion import TensorSpec
+from ..tensor_ops import MutableTensorOps, Tensor
+from . import checkpoint
+from .lifecycle import PipelineLifecycle, call_at_exit
+from .options import PipelineOptions
+
+
+class TrainingAdapter(Protocol):
+    """What the core needs from a framework whose training step runs in Python. Tensors are
+    addressed by their index in the core's tensor list (the order of ``tensor_specs()``)."""
+
+    ops: MutableTensorOps
+
+    def tensor_specs(self) -> List[TensorSpec]: ...
+    def device_anchors(self) -> Dict[str, Tensor]:
+        """A tensor per device name, next to which that device's fusion buffers go."""
+    def trainable(self) -> List[int]:
+        """Indices of the tensors that take part in this step (require grad now)."""
+    def has_local_gradient(self, index: int) -> bool: ...
+    def local_gradient(self, index: int) -> Tensor:
+        """This rank's gradient of the tensor (it has one), checked and dense."""
+    def write_gradients(self, grads: Dict[int, Tensor], scale: float) -> None:
+        """Put the averaged gradients (times ``scale``) where the update reads them; tensors
+        missing from ``grads`` get none."""
+    def zero_gradients(self) -> None: ...
+    def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Run the wrapped optimizer's update on the written gradients."""
+    def loss_scale(self) -> Optional[float]:
+        """The AMP loss scale now (None without one)."""
+    def gradients_finite(self) -> bool: ...
+    def gradients_all_zero(self) -> bool:
+        """Every present gradient is zero (how Horovod's broadcast_optimizer_state creates state)."""
+    def weights(self) -> List[Tensor]:
+        """The tensors themselves (weight prediction writes them, inside ``weights_guard()``)."""
+    def weights_guard(self) -> ContextManager[Any]: ...
+    def host_weights(self) -> List[Tuple[str, Any]]:
+        """(name, host array) per tensor, for the replica check."""
+    def optimizer_state_dict(self) -> Dict[str, Any]: ...
+    def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None: ...
+    def watch_gradients(self, ready: Callable[[int], None]) -> None:
+        """Make every trainable tensor report its gradient, ``ready(index)``, as soon as it is
+        produced (called again after each step: tensors unfrozen since then start reporting)."""
+
+
+class OptimizerCore(PipelineLifecycle):
+    """One pipelined optimizer's state and per-step policy (see the module docstring)."""
+
+    def __init__(self, options: PipelineOptions, names: Sequence[str], adapter: TrainingAdapter,
+                 comm: Communicator) -> None:
+        self.adapter = adapter
+        super().__init__(options, names, comm, adapter.ops, self._engine_for, adapter.weights, adapter.weights_guard)
+        self._weights_predicted = False  # the tensors hold the prediction, not the real weights
+        self._passes = [0] * len(self.names)
+        self._synchronized = False       # synchronize() ran; step() has not
+        self._apply_pending = False      # synchronize() wrote a gradient that step() must apply
+        self._stepped = False            # a pipelined step has happened
+        self.should_synchronize = True   # False inside skip_synchronize()
+        adapter.watch_gradients(self.gradient_ready)
+        # Nothing computed is lost: gradients still in flight when the interpreter exits are applied.
+        call_at_exit(self, OptimizerCore.finish_at_exit)
+
+    def _engine_for(self, config: PipelineConfig, codec: Codec, *, first_step: int,
+                    check_ranks: bool) -> PipelineEngine:
+        return PipelineEngine(self.adapter.tensor_specs(), ops=self.adapter.ops, comm=self.comm, codec=codec,
+                              config=config, device_anchors=self.adapter.device_anchors(), first_step=first_step,
+                              check_ranks=check_ranks)
+
+    @property
+    def engine(self) -> PipelineEngine:
+        return self.pipeline  # type: ignore[return-value]
+
+    def check_tensors_can_change(self) -> None:
+        """Raises once training has started: the tensor list is fixed from the first step on."""
+        if self.engine.step > 0 or self.engine.step_open:
+            raise RuntimeError("add_param_group() after training started is not supported by pipesgd_hvd: add all "
+                               "parameter groups before the first step, and freeze or unfreeze parameters with "
+                               "requires_grad instead")
+
+    def tensors_changed(self, names: Sequence[str]) -> None:
+        """The tensor list changed (a parameter group was added) before training started:
+        build the pipeline again over ``names``. Collective (the cross-rank check)."""
+        self.check_tensors_can_change()
+        self.names = list(names)
+        self._passes = [0] * len(self.names)
+        self.rebuild()
+        self.adapter.watch_gradients(self.gradient_ready)
+
+    # ------------------------------------------------------------------------ the step itself
+    def gradient_ready(self, index: int) -> None:
+        """Tensor ``index``'s local gradient was produced (a backward-pass hook). Issues no
+        collective, so it may run inside the framework's backward pass."""
+        if not self.adapter.has_local_gradient(index):
+            return
+        engine = self.engine
+        if not engine.step_open:
+            if self._synchronized:
+                # The last synchronized step was never applied: GradScaler.step() skips
+                # optimizer.step() when the (identical on every rank) gradient is not finite.
+                self._synchronized = self._apply_pending = False
+            engine.begin_step(self.adapter.trainable())
+        passes = self._passes[index] + 1
+        if passes > self.options.backward_passes_per_step:
+            raise RuntimeError(f"gradients of '{self.names[index]}' were computed more than "
+                               f"backward_passes_per_step={self.options.backward_passes_per_step} times before "
+                               "step(); increase backward_passes_per_step to accumulate gradients locally")
+        self._passes[index] = passes
+        if passes == self.options.backward_passes_per_step:
+            engine.add_gradient_(index, self.adapter.local_gradient(index))
+
+    def synchronize(self) -> None:
+        """End this step's communication and write the gradient to apply now: the average of step
+        t-K+1 (zeros while the pipeline fills; step() then applies nothing)."""
+        if self._synchronized:
+            return
+        if self.auto_controller is not None:
+            self.auto_controller.reduction_started()
+        engine = self.engine
+        if engine.replica_check_due():  # weights after the previous step's update, on every rank
+            engine.check_replicas(self.adapter.host_weights())
+        trainable = self.adapter.trainable()
+        if not engine.step_open:
+            if not any(self.adapter.has_local_gradient(i) for i in trainable):
+                raise RuntimeError("step()/synchronize() was called without a backward pass since the last step: "
+                                   "call loss.backward() before every step() on every rank (to skip a batch, skip "
+                                   "both on all ranks)")
+            engine.begin_step(trainable)
+        # Gradients whose hook did not fire (set by hand, or a tensor unfrozen since the hooks
+        # were registered) are taken as they are, as Horovod's synchronize() does.
+        for i in trainable:
+            if not engine.has_gradient(i) and self.adapter.has_local_gradient(i):
+                engine.add_gradient_(i, self.adapter.local_gradient(i))
+        self._passes = [0] * len(self.names)
+        self.adapter.watch_gradients(self.gradient_ready)
+        applied = engine.end_step(meta=self.adapter.loss_scale())
+        if self.auto_controller is not None:  # at a check: flushed steps to apply; maybe a new engine
+            applied = applied + self.auto_controller.after_step(engine, applied)
+        self._restore_real_weights()  # the gradients were computed at the prediction: update the real weights
+        for early in applied[:-1]:  # only when the width shrinks: apply older steps right away
+            self._write(early)
+            self.adapter.apply_update()
+        self._apply_pending = bool(applied)
+        if applied:
+            self._write(applied[-1])
+        else:
+            # Nothing to apply while the pipeline fills: zero gradients (not None, so that code run
+            # between synchronize() and step(), e.g. GradScaler.unscale_, sees finite gradients);
+            # step() will not run the wrapped optimizer on them.
+            self.adapter.zero_gradients()
+        self._synchronized = True
+        self._stepped = True
+
+    @property
+    def synchronized(self) -> bool:
+        return self._synchronized
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """``optimizer.step()``: synchronize (unless inside skip_synchronize), then the wrapped
+        optimizer's update on the averaged gradient, or nothing while the pipeline fills."""
+        if self.is_state_initialization():
+            return self.adapter.apply_update(closure)
+        if closure is not None and self.engine.config.width > 1:
+            raise ValueError("step(closure) re-evaluates the loss, which a pipelined optimizer cannot do; "
+                             "compute the loss before step(), or use width=1")
+        if self.should_synchronize:
+            self.synchronize()
+        elif not self._synchronized:
+            raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
+        self._synchronized = False
+        self._restore_real_weights()  # done by synchronize() already; a no-op then
+        if not self._apply_pending:
+            self._predict_weights()  # a fill step updates nothing, but the prediction starts here
+            return None
+        self._apply_pending = False
+        loss = self.adapter.apply_update(closure)
+        self._predict_weights()
+        return loss
+
+    def is_state_initialization(self) -> bool:
+        """True for a step() before any training with all-zero gradients and no backward pass: how
+        ``hvd.broadcast_optimizer_state`` makes a fresh optimizer create its state. Zero gradients
+        from identical weights give identical results on every rank, so it runs locally."""
+        if self._stepped or self.engine.step_open or self.engine.step > 0:
+            return False
+        return self.adapter.gradients_all_zero()
+
+    def _write(self, applied: AppliedStep, unscale: bool = False) -> None:
+        """The gradients of ``applied``, rescaled by the ratio of loss scales (now / when they were
+        computed; 1 when ``unscale``: the caller wants them unscaled)."""
+        ratio = 1.0
+        if applied.meta is not None:
+            now = 1.0 if unscale else self.adapter.loss_scale()
+            ratio = now / applied.meta
+        self.adapter.write_gradients(applied.grads, ratio)
+
+    def flush(self, check_steps: bool = True) -> int:
+        """Apply every gradient still in flight (call once training ends, on every rank); returns
+        how many steps. Collective: first checks that every rank ran the same number of steps.
+        With a loss scale, gradients are unscaled here and a non-finite one is skipped."""
+        in_flight = self.engine.flush(check_steps=check_steps)  # checks the ranks agree before it waits
+        if self.prediction is not None:  # the real weights first; prediction starts afresh next step
+            with self.adapter.weights_guard():
+                if self._weights_predicted:
+                    self.prediction.reset(self.adapter.weights())
+                else:  # restored by synchronize(), perhaps updated since: leave the weights alone
+                    self.prediction.stop()
+            self._weights_predicted = False
+        applied_count = 0
+        if self._apply_pending:
+            self.adapter.apply_update()
+            self._apply_pending, self._synchronized = False, False
+            applied_count += 1
+        scaled = self.adapter.loss_scale() is not None
+        for applied in in_flight:
+            self._write(applied, unscale=scaled)
+            if not scaled or self.adapter.gradients_finite():
+                self.adapter.apply_update()
+                applied_count += 1
+        self._passes = [0] * len(self.names)
+        return applied_count
+
+    # ------------------------------------------------------- staleness correction (prediction)
+    def _restore_real_weights(self) -> None:
+        if self._weights_predicted:
+            with self.adapter.weights_guard():
+                self.prediction.restore(self.adapter.weights())
+            self._weights_predicted = False
+
+    def _predict_weights(self) -> None:
+        if self.prediction is not None:
+            with self.adapter.weights_guard():
+                self.prediction.predict(self.adapter.weights())
+            self._weights_predicted = True
+
+    @contextlib.contextmanager
+    def real_weights(self) -> Iterator[None]:
+        """The real weights inside the block, the prediction again after it (bit for bit)."""
+        if not self._weights_predicted:
+            yield
+            return
+        self._restore_real_weights()
+        try:
+            yield
+        finally:
+            with self.adapter.weights_guard():
+                self.prediction.reapply(self.adapter.weights())  # a no-op if flush() ran inside the block
+            self._weights_predicted = self.prediction.is_started()
+
+    # ------------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> Dict[str, Any]:
+        """The checkpoint entry (:mod:`pipesgd_hvd.core.checkpoint`): waits for the steps in flight."""
+        if self._apply_pending:
+            raise RuntimeError("state_dict() between synchronize() and step(): call step() first")
+        return self.compose_state()
+
+    def load_state_dict(self, entry: Optional[Dict[str, Any]]) -> None:
+        """Loads an entry (format 2, as :func:`checkpoint.read` returns it; None: the checkpoint
+        has none), after the wrapped optimizer's state and the model's weights were loaded."""
+        if entry is not None:
+            self.load_entry(entry)
+            self._stepped = self.engine.step > 0
+        self._weights_predicted = self.load_prediction(None if entry is None else entry.get("prediction"))
+
+    # -------------------------------------------------------------------- Horovod elastic
+    # Called through the framework's elastic state handler; the rule is pipesgd_hvd/elastic.py's.
+    def elastic_restore(self, committed: Dict[str, Any]) -> None:  # type: ignore[override]
+        """After HorovodInternalError: back to the last commit (the framework's state dict)."""
+        # A copy: the framework's load may keep the given tensors, and training would then change
+        # the commit in place before the next restore.
+        entry, rest = checkpoint.read(copy.deepcopy(committed))
+        self._reset_step_flags()
+        self.adapter.load_optimizer_state_dict(rest)
+        super().elastic_restore(entry)
+        self._stepped = self.engine.step > 0
+
+    def elastic_sync(self) -> None:  # type: ignore[override]
+        self._reset_step_flags()
+        super().elastic_sync(self.adapter.optimizer_state_dict, self.adapter.load_optimizer_state_dict)
+        self._stepped = self.engine.step > 0
+
+    def _reset_step_flags(self) -> None:
+        self._synchronized = self._apply_pending = False
+        self._passes = [0] * len(self.names)
+
+    # ------------------------------------------------------------------------------ exit
+    def finish_at_exit(self) -> None:
+        """At interpreter exit: apply what is in flight (nothing computed is lost), or, after a
+        failure, make sure the transport's own shutdown cannot keep the process alive."""
+        engine = self.engine
+        if engine.failure is None and (engine.in_flight or self._apply_pending):
+            try:  # no step-count check: other ranks may be gone already
+                count = self.flush(check_steps=False)
+                warnings.warn(f"pipesgd_hvd: applied {count} in-flight step(s) at exit; call optimizer.flush() "
+                              "when training ends, before saving the model")
+            except Exception as exc:  # the transport may already be gone at exit
+                warnings.warn(f"pipesgd_hvd: could not apply in-flight gradients at exit: {exc}")
+        if engine.failure is not None:
+            # Nothing can be applied consistently; the transport's shutdown (run after this
+            # handler: Horovod registered its handler earlier) must not keep the process alive.
+            exit_if_stuck(f"the pipeline stopped at {type(engine.failure).__name__}")
+        engine.close()

@@ -1,0 +1,171 @@
+"""A Keras optimizer's pipeline: the shared life cycle around TensorFlow's traced executor.
+
+:class:`KerasCore` is :class:`~pipesgd_hvd.core.lifecycle.PipelineLifecycle` (name, auto mode,
+weight prediction, checkpoint entry, elastic) over a
+:class:`~pipesgd_hvd.frameworks.tf_pipeline.GraphPipeline`, plus the graph ops of one step: the
+replica check, the exchange, and weight prediction around the wrapped optimizer's update. The
+auto mode needs Python between steps: ``after_steps()`` runs it, called by pipesgd_hvd's Keras
+callbacks after each batch of ``model.fit`` (any of them) or by an eager ``apply_gradients``;
+when it rebuilds the pipeline, the train function must be traced again.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from ..comm.base import Communicator
+from ..compression.codecs import Codec
+from ..config import PipelineConfig
+from ..core import checkpoint
+from ..core.lifecycle import PipelineLifecycle
+from ..core.options import PipelineOptions
+from ..engine import AppliedStep
+from ..fusion import TensorSpec
+from .tf_guards import ReplicaCheck, StepProgress
+from .tf_ops import TensorFlowOps
+from .tf_pipeline import GraphPipeline
+
+NO_DEADLINE = 2**62
+AUTO_DRIVER_MESSAGE = (
+    "width='auto' / compression='auto' needs Python between steps to measure and switch, and nothing ran it: "
+    "in model.fit, add one of pipesgd_hvd.keras.callbacks (e.g. PipelineFlushCallback()) and keep "
+    "steps_per_execution=1; in a custom tf.function loop, call optimizer.after_steps() after each step and "
+    "trace the step function again when it returns True")
+
+ApplyFn = Callable[[List[Any], List[Any]], Any]
+
+
+def variable_name(v: Any) -> str:
+    """Keras 3 variables have a unique ``path`` ("dense_1/kernel"); tf.Variables have ``name``."""
+    return str(getattr(v, "path", None) or v.name)
+
+
+class KerasCore(PipelineLifecycle):
+    """The pipeline of one Keras optimizer, built when the optimizer is built."""
+
+    def __init__(self, options: PipelineOptions, variables: Sequence[Any], comm: Communicator) -> None:
+        self.variables = list(variables)
+        self.specs = [TensorSpec(variable_name(v), tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
+                      for v in self.variables]
+        self.progress = StepProgress()  # the watchdog of PIPESGD_TIMEOUT
+        # Eager even when Keras builds the optimizer inside a trace; the build's collectives (name,
+        # cross-rank check, codec priming) are watched like a step.
+        with tf.init_scope(), self.progress.eager_step():
+            super().__init__(options, [s.name for s in self.specs], comm, TensorFlowOps(), self._graph_pipeline,
+                             lambda: self.variables, contextlib.nullcontext)
+        self.replicas = None if not options.check_replicas_every else \
+            ReplicaCheck(comm, self.graph.schedule, self.names, self.name)
+        with tf.init_scope():
+            # The auto mode's guard: a traced step past this index means nothing ran the checks.
+            self.auto_deadline = tf.Variable(NO_DEADLINE if self.auto_controller is None else options.auto.measure_steps,
+                                             dtype=tf.int64, trainable=False, name="pipesgd_auto_deadline")
+        self._driven_to = 0  # steps the auto mode has seen
+        self._track_prediction()
+        self.switched.append(self._track_prediction)
+
+    def _track_prediction(self) -> None:
+        """Weight prediction's variables are checkpointed with the pipeline (tf.train.Checkpoint)."""
+        if self.prediction is not None:
+            self.graph.prediction_state = self.prediction.state()
+
+    def _graph_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
+                        check_ranks: bool) -> GraphPipeline:
+        return GraphPipeline(self.specs, comm=self.comm, codec=codec, config=config, first_step=first_step,
+                             check_ranks=check_ranks)
+
+    @property
+    def graph(self) -> GraphPipeline:
+        return self.pipeline  # type: ignore[return-value]
+
+    # --------------------------------------------------------------------------- the step
+    def step(self, grads: List[Any], variables: List[Any], apply: ApplyFn) -> List[tf.Tensor]:
+        """The replica check (when due), the exchange and the update (``apply``, the wrapped
+        optimizer's). Traced, returns the tensors that exist once every collective of the step is
+        done (for the watchdog); eagerly, it runs them."""
+        graph = self.graph
+        if self.auto_controller is not None:
+            tf.debugging.assert_less(graph.step_counter.read_value(), self.auto_deadline.read_value(),
+                                     message=AUTO_DRIVER_MESSAGE)
+        checked = None
+        if self.replicas is not None:  # the weights every rank's forward pass just used
+            checked = self.replicas(graph.step_counter.read_value(), variables)
+        reduced, should_apply = graph.exchange(grads)
+        if self.prediction is not None:  # the gradients were computed at predicted weights
+            self.prediction.restore(variables)
+
+        def apply_now() -> tf.Tensor:
+            apply(reduced, variables)
+            return tf.constant(True)
+
+        done: List[tf.Tensor] = []
+        if tf.executing_eagerly():
+            if bool(should_apply):
+                apply_now()
+        else:
+            # While the pipeline fills there is no averaged gradient yet: the wrapped optimizer
+            # does not run at all (its iteration counter, moments and weight decay stay put).
+            # A replica check that fails fails the step before anything is applied.
+            with tf.control_dependencies([] if checked is None else [checked]):
+                done.append(tf.cond(should_apply, apply_now, lambda: tf.constant(False)))
+        if self.prediction is not None:
+            self.prediction.predict(variables)
+        return done
+
+    def flush(self, apply: ApplyFn) -> int:
+        """Eagerly and collectively: applies the averaged gradients still in flight, with the real
+        weights put back first. Returns how many steps."""
+        with self.progress.eager_step():
+            pending = self.graph.flush()
+        return self._apply_flushed(pending, apply)
+
+    def _apply_flushed(self, pending: Sequence[AppliedStep], apply: ApplyFn) -> int:
+        if self.prediction is not None:
+            self.prediction.reset(self.variables)  # the real weights, for evaluation or saving
+        for step in pending:
+            apply([step.grads[i] for i in range(len(self.variables))], self.variables)
+        return len(pending)
+
+    # -------------------------------------------------------------------------- auto mode
+    def after_steps(self, apply: ApplyFn) -> bool:
+        """Eagerly, after steps ended: feeds the auto mode the compute time of the last step and
+        runs its check when due (collective; flushed gradients are applied through ``apply``).
+        Returns True when the pipeline was rebuilt: traced step functions must be traced again."""
+        controller = self.auto_controller
+        ended = self.graph.step
+        if controller is None or ended <= self._driven_to:
+            return False
+        self._driven_to = ended
+        seconds = float(self.progress.compute_seconds.numpy())
+        if seconds >= 0:
+            controller.record_compute(seconds)
+        before = self.graph
+        with self.progress.eager_step():
+            flushed = controller.after_step(before, [])
+        if flushed:
+            self._apply_flushed(flushed, apply)
+        self.auto_deadline.assign(NO_DEADLINE if controller.next_check is None else controller.next_check)
+        return self.graph is not before
+
+    # ------------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> Dict[str, Any]:
+        """Eagerly and collectively: the checkpoint entry (pending gradients reduced now)."""
+        with self.progress.eager_step():
+            return self.compose_state()
+
+    def load_state_dict(self, entry: Dict[str, Any]) -> None:
+        entry, _ = checkpoint.read({checkpoint.KEY: entry})
+        with self.progress.eager_step():
+            self.load_entry(entry)
+        self.load_prediction(entry.get("prediction"))
+
+    # -------------------------------------------------------------------- Horovod elastic
+    def elastic_sync_from(self, root_state: Callable[[], Any], load_root_state: Callable[[Any], None]) -> None:
+        with self.progress.eager_step():
+            self.elastic_sync(root_state, load_root_state)
+        self.replicas = None if self.replicas is None else \
+            ReplicaCheck(self.comm, self.graph.schedule, self.names, self.name)
+
+    def close(self) -> None:
+        self.pipeline.close()

@@ -1,0 +1,111 @@
+"""PyTorch's side of :class:`~pipesgd_hvd.core.optimizer.TrainingAdapter`: parameters, ``.grad``,
+hooks and the wrapped optimizer. Translation only; the policy is the core's."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..fusion import TensorSpec
+from . import torch_checks as checks
+from .torch_ops import TORCH_OPS, dtype_name
+
+
+class TorchAdapter:
+    """One wrapped ``torch.optim`` optimizer and its named parameters."""
+
+    ops = TORCH_OPS
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named: Sequence[Tuple[str, torch.Tensor]],
+                 sparse_as_dense: bool, grad_scaler: Any) -> None:
+        self.optimizer = optimizer
+        self.sparse_as_dense, self.grad_scaler = sparse_as_dense, grad_scaler
+        self.set_parameters(named)
+
+    def set_parameters(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        self.named = list(named)
+        self.params = [p for _, p in self.named]
+        self._hooks: Dict[int, Any] = getattr(self, "_hooks", {})
+
+    # -------------------------------------------------------------------------------- tensors
+    def tensor_specs(self) -> List[TensorSpec]:
+        return [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype), str(p.device)) for name, p in self.named]
+
+    def device_anchors(self) -> Dict[str, torch.Tensor]:
+        return {str(p.device): p for p in self.params}
+
+    def trainable(self) -> List[int]:
+        return [i for i, p in enumerate(self.params) if p.requires_grad]
+
+    def weights(self) -> List[torch.Tensor]:
+        return self.params
+
+    def weights_guard(self) -> ContextManager[Any]:
+        return torch.no_grad()
+
+    def host_weights(self) -> List[Tuple[str, Any]]:
+        return [(name, TORCH_OPS.to_numpy(p.detach().cpu())) for name, p in self.named]
+
+    # ------------------------------------------------------------------------------ gradients
+    def watch_gradients(self, ready: Callable[[int], None]) -> None:
+        """A post-accumulate-grad hook per trainable parameter calls ``ready(index)``. The hook
+        holds the callback weakly: a dropped optimizer's hooks do nothing."""
+        callback = weakref.WeakMethod(ready)  # type: ignore[arg-type]
+        for i, p in enumerate(self.params):
+            if p.requires_grad and i not in self._hooks:
+                self._hooks[i] = p.register_post_accumulate_grad_hook(_hook(callback, i))
+
+    def has_local_gradient(self, index: int) -> bool:
+        return self.params[index].grad is not None
+
+    def local_gradient(self, index: int) -> torch.Tensor:
+        name, p = self.named[index]
+        return checks.checked_grad(name, p, self.sparse_as_dense)
+
+    def write_gradients(self, grads: Dict[int, torch.Tensor], scale: float) -> None:
+        for i, p in enumerate(self.params):
+            g = grads.get(i)
+            if g is None:
+                p.grad = None
+                continue
+            if scale != 1.0:
+                g = g * scale
+            if p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype and not p.grad.is_sparse:
+                p.grad.copy_(g)
+            else:
+                p.grad = g.detach().clone()
+
+    def zero_gradients(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def gradients_finite(self) -> bool:
+        return all(bool(torch.isfinite(p.grad).all()) for p in self.params if p.grad is not None)
+
+    def gradients_all_zero(self) -> bool:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return bool(grads) and all(not g.is_sparse and not bool(g.any()) for g in grads)
+
+    def loss_scale(self) -> Optional[float]:
+        return float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else None
+
+    # --------------------------------------------------------------------- the wrapped optimizer
+    def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def optimizer_state_dict(self) -> Dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def _hook(callback: "weakref.WeakMethod[Callable[[int], None]]", index: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        ready = callback()
+        if ready is not None:
+            ready(index)
+
+    return hook
