@@ -186,3 +186,9 @@ def test_step_watchdog_ends_a_process_whose_step_is_stuck_and_spares_one_between
     assert seconds < 2.5, seconds  # 0.5 s, plus the interpreter's start
     idle, _ = run("(3, 3)")
     assert idle.returncode == 0 and "STILL RUNNING" in idle.stdout, idle
+
+
+def test_keras_auto_mode_decides_alike_on_every_rank_and_switches_by_retracing():
+    out = run_ranks("mp/keras_auto.py", timeout=420)
+    _assert_passed(out, ["keras-auto-measured-identical", "keras-auto-scripted-equals-reference",
+                         "keras-auto-recheck-switches-codec", "keras-auto-custom-loop-without-driver-fails"])
