@@ -13,3 +13,10 @@ def test_entry_module_loads_only_its_framework(module, loads, not_loaded):
     result = measure(module)
     assert result[loads] is True
     assert result[not_loaded] is False, f"import {module} loaded {not_loaded}"
+
+
+@pytest.mark.parametrize("module", ["pipesgd_hvd.core.optimizer", "pipesgd_hvd.core.lifecycle", "pipesgd_hvd.engine",
+                                    "pipesgd_hvd.schedule", "pipesgd_hvd.frameworks.numpy_ops"])
+def test_framework_free_layers_load_no_framework(module):
+    result = measure(module)
+    assert result["torch"] is False and result["tensorflow"] is False, f"import {module} loaded a framework"

@@ -1,0 +1,240 @@
+"""The framework-free layers on numpy alone: :class:`PipelineEngine` and :class:`OptimizerCore` over
+``NumpyOps`` and in-process ranks, against a plain numpy reference of the update rule.
+
+No framework is imported here: passing proves the engine and the core need none. Every
+comparison is bitwise: the in-process all-reduce sums in rank order and scales by 1/size, and the
+reference does the same float32 operations, so a wrong width, warm-up, flush order or a step
+applied twice or never changes the weights.
+"""
+import contextlib
+import pickle
+
+import numpy as np
+import pytest
+
+from pipesgd_hvd.comm.local import LocalWorld
+from pipesgd_hvd.compression import resolve_compression
+from pipesgd_hvd.config import PipelineConfig
+from pipesgd_hvd.core.optimizer import OptimizerCore
+from pipesgd_hvd.core.options import PipelineOptions
+from pipesgd_hvd.engine import PipelineEngine
+from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
+from pipesgd_hvd.fusion import TensorSpec
+from threads import run_threads
+
+SHAPES = [(3, 4), (5,), (2, 2, 2)]
+SPECS = [TensorSpec(f"t{i}", shape, "float32") for i, shape in enumerate(SHAPES)]
+SIZE, STEPS, LR = 2, 9, np.float32(0.5)
+THRESHOLD = 64  # bytes: the three tensors go to three buckets
+
+
+def gradient(step, rank, i, w):
+    """A quadratic loss's gradient at the weights ``w``: when a gradient is computed matters, so
+    applying the right gradients at the wrong steps changes the result."""
+    rng = np.random.default_rng([step, rank, i])
+    return (w * rng.uniform(0.5, 1.5, SHAPES[i]) + rng.standard_normal(SHAPES[i])).astype(np.float32)
+
+
+def mean_gradients(step, weights):
+    return [(gradient(step, 0, i, w) + gradient(step, 1, i, w)) * np.float32(1.0 / SIZE) for i, w in enumerate(weights)]
+
+
+def sgd_(weights, grads):
+    for w, g in zip(weights, grads):
+        w[...] = w - LR * g
+
+
+def reference(width, warmup, steps, flush):
+    """The rule: step t < warmup applies its own mean gradient; later steps queue theirs and apply
+    the one ``width - 1`` steps older; flush applies what is queued, oldest first."""
+    weights = [np.ones(s, np.float32) for s in SHAPES]
+    pending, applied = [], 0
+    for t in range(steps):
+        if t < warmup:
+            sgd_(weights, mean_gradients(t, weights))
+            applied += 1
+            continue
+        pending.append(mean_gradients(t, weights))
+        if len(pending) == width:
+            sgd_(weights, pending.pop(0))
+            applied += 1
+    if flush:
+        for grads in pending:
+            sgd_(weights, grads)
+            applied += 1
+    return weights, applied
+
+
+def make_engine(comm, width, warmup, first_step=0):
+    config = PipelineConfig(width=width, warmup_steps=warmup, fusion_threshold_bytes=THRESHOLD, name="np")
+    return PipelineEngine(SPECS, ops=NUMPY_OPS, comm=comm, codec=resolve_compression("none"), config=config,
+                          first_step=first_step)
+
+
+def run_engine(width, warmup, steps, flush, restart_at=None):
+    def rank_fn(rank, comm):
+        engine = make_engine(comm, width, warmup)
+        weights = [np.ones(s, np.float32) for s in SHAPES]
+        applied = 0
+        for t in range(steps):
+            if t == restart_at:  # a checkpoint written to disk and loaded by a fresh engine
+                saved = pickle.dumps(engine.state_dict())
+                engine.close()
+                engine = make_engine(comm, width, warmup)
+                engine.load_state_dict(pickle.loads(saved))
+            engine.begin_step(range(len(SPECS)))
+            for i in reversed(range(len(SPECS))):
+                engine.add_gradient_(i, gradient(t, rank, i, weights[i]))
+            for step in engine.end_step():
+                sgd_(weights, [step.grads[i] for i in range(len(SPECS))])
+                applied += 1
+        if flush:
+            for step in engine.flush():
+                sgd_(weights, [step.grads[i] for i in range(len(SPECS))])
+                applied += 1
+        engine.close()
+        return weights, applied
+
+    return run_threads(LocalWorld(SIZE, NUMPY_OPS), rank_fn)
+
+
+CASES = [(1, 0), (2, 0), (3, 0), (2, 3), (3, 2)]
+
+
+@pytest.mark.parametrize("width,warmup", CASES)
+@pytest.mark.parametrize("flush", [False, True])
+def test_engine_follows_the_rule_bitwise(width, warmup, flush):
+    want, count = reference(width, warmup, STEPS, flush)
+    for weights, applied in run_engine(width, warmup, STEPS, flush):
+        assert applied == count
+        for w, r in zip(weights, want):
+            assert np.array_equal(w, r)
+
+
+@pytest.mark.parametrize("width,warmup", [(2, 0), (3, 2)])
+def test_engine_state_dict_round_trip_resumes_exactly(width, warmup):
+    want, _ = reference(width, warmup, STEPS, flush=True)
+    for weights, _ in run_engine(width, warmup, STEPS, flush=True, restart_at=5):
+        for w, r in zip(weights, want):
+            assert np.array_equal(w, r)
+
+
+class NumpyAdapter:
+    """A framework of numpy arrays and plain SGD behind the optimizer core's adapter interface."""
+
+    ops = NUMPY_OPS
+
+    def __init__(self):
+        self.params = [np.ones(s, np.float32) for s in SHAPES]
+        self.grads = [None] * len(SHAPES)
+        self.updates = 0
+        self.ready = None
+
+    def tensor_specs(self):
+        return list(SPECS)
+
+    def device_anchors(self):
+        return {}
+
+    def trainable(self):
+        return list(range(len(SHAPES)))
+
+    def has_local_gradient(self, index):
+        return self.grads[index] is not None
+
+    def local_gradient(self, index):
+        return self.grads[index]
+
+    def write_gradients(self, grads, scale):
+        self.grads = [None if grads.get(i) is None else np.array(grads[i]) * scale for i in range(len(SHAPES))]
+
+    def zero_gradients(self):
+        for g in self.grads:
+            if g is not None:
+                g[...] = 0
+
+    def apply_update(self, closure=None):
+        sgd_(self.params, self.grads)
+        self.updates += 1
+
+    def loss_scale(self):
+        return None
+
+    def gradients_finite(self):
+        return True
+
+    def gradients_all_zero(self):
+        return False
+
+    def weights(self):
+        return self.params
+
+    def weights_guard(self):
+        return contextlib.nullcontext()
+
+    def host_weights(self):
+        return [(s.name, p) for s, p in zip(SPECS, self.params)]
+
+    def optimizer_state_dict(self):
+        return {"updates": self.updates}
+
+    def load_optimizer_state_dict(self, state):
+        self.updates = state["updates"]
+
+    def watch_gradients(self, ready):
+        self.ready = ready
+
+    def backward(self, step, rank, passes=1):
+        """The framework's backward pass: gradients accumulate and each reports when produced."""
+        for k in range(passes):
+            for i in reversed(range(len(SHAPES))):
+                g = gradient(step * passes + k, rank, i, self.params[i])
+                self.grads[i] = g if self.grads[i] is None else self.grads[i] + g
+                self.ready(i)
+
+    def zero_grad(self):
+        self.grads = [None] * len(SHAPES)
+
+
+def run_core(width, warmup, steps, flush, restart_at=None):
+    options = PipelineOptions.from_arguments(width=width, warmup_steps=warmup, fusion_threshold_mb=THRESHOLD / 2**20)
+
+    def rank_fn(rank, comm):
+        adapter = NumpyAdapter()
+        core = OptimizerCore(options, [s.name for s in SPECS], adapter, comm)
+        for t in range(steps):
+            if t == restart_at:  # a fresh optimizer over the same arrays loads the checkpoint
+                saved = pickle.loads(pickle.dumps((adapter.optimizer_state_dict(), core.state_dict())))
+                params = adapter.params
+                adapter = NumpyAdapter()
+                adapter.params = params
+                core = OptimizerCore(options, [s.name for s in SPECS], adapter, comm)
+                adapter.load_optimizer_state_dict(saved[0])
+                core.load_state_dict(saved[1])
+            adapter.zero_grad()
+            adapter.backward(t, rank)
+            core.step()
+        if flush:
+            core.flush()
+        return adapter.params, adapter.updates
+
+    return run_threads(LocalWorld(SIZE, NUMPY_OPS), rank_fn)
+
+
+@pytest.mark.parametrize("width,warmup", CASES)
+@pytest.mark.parametrize("flush", [False, True])
+def test_optimizer_core_follows_the_rule_bitwise(width, warmup, flush):
+    """The whole policy (hooks, fill steps that apply nothing, warm-up, flush) with no framework."""
+    want, count = reference(width, warmup, STEPS, flush)
+    for params, updates in run_core(width, warmup, STEPS, flush):
+        assert updates == count
+        for p, r in zip(params, want):
+            assert np.array_equal(p, r)
+
+
+def test_optimizer_core_checkpoint_resumes_exactly():
+    want, count = reference(2, 0, STEPS, flush=True)
+    for params, updates in run_core(2, 0, STEPS, flush=True, restart_at=4):
+        assert updates == count
+        for p, r in zip(params, want):
+            assert np.array_equal(p, r)
