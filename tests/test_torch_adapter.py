@@ -274,3 +274,40 @@ def test_staleness_correction_argument_and_resuming_with_it_switched_on_or_off()
     sync.step()  # the first step after a fresh start is computed at the loaded weights
     with again.real_weights():
         assert all(torch.equal(p, q) for p, q in zip(again_model.parameters(), sync_model.parameters()))
+
+
+def test_checkpoint_entry_is_format_2_and_format_1_still_loads():
+    """One versioned entry (pipesgd_hvd/core/checkpoint.py); a checkpoint written before it (the
+    auto and prediction parts in keys of their own) loads the same."""
+    world, batches = LocalWorld(1, TORCH_OPS), make_batches(6, 1)
+    comm = world.communicator(0)
+    model = make_model()
+    opt = wrap(model, comm, width=2, staleness_correction=True)
+    for t in range(4):
+        opt.zero_grad()
+        loss_fn(model, batches[t][0]).backward()
+        opt.step()
+    state = opt.state_dict()
+    entry = state["pipesgd"]
+    assert entry["format"] == 2 and entry["prediction"]["started"] and entry["auto"] is None
+    assert len(entry["in_flight"]) == 1 and entry["step"] == 4
+    old = dict(state)
+    old["pipesgd"] = {k: v for k, v in entry.items() if k not in ("auto", "prediction")} | {"format": 1}
+    old["pipesgd_prediction"] = entry["prediction"]
+
+    def resume(saved):
+        resumed_model = make_model()
+        resumed = wrap(resumed_model, comm, width=2, staleness_correction=True)
+        resumed_model.load_state_dict(model.state_dict())
+        resumed.load_state_dict(saved)
+        for t in range(4, 6):
+            resumed.zero_grad()
+            loss_fn(resumed_model, batches[t][0]).backward()
+            resumed.step()
+        resumed.flush()
+        return [p.detach().clone() for p in resumed_model.parameters()]
+
+    for a, b in zip(resume(state), resume(old)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="format 3"):
+        resume({**state, "pipesgd": {**entry, "format": 3}})

@@ -158,7 +158,7 @@ class PipelineLifecycle:
     # -------------------------------------------------------------------- Horovod elastic
     def check_elastic_support(self) -> None:
         if self.auto_controller is not None or self.prediction is not None:
-            raise ValueError("Horovod elastic states do not support width='auto', compression='auto' or "
+            raise ValueError("Horovod elastic (TorchState, KerasState) does not support width='auto', compression='auto' or "
                              "staleness_correction yet: pass a fixed width and compression, without "
                              "staleness_correction")
 
