@@ -1,0 +1,270 @@
+"""The pipeline's own transport: torch.distributed process groups on a private store.
+
+Why not Horovod's ops: Horovod names an unnamed op ``<op>.noname.<handle>`` from a per-process
+counter that every async op advances. The engine runs a byte codec's compressed all-reduce on its
+comm thread, whose alltoall/allgather calls land at timing-dependent moments, so the counter
+differs across ranks when the user calls an unnamed ``hvd.allreduce(metric)`` between steps and
+the job hangs. This channel never calls Horovod after it is built, so the user's unnamed ops keep
+their names. It was also the fastest transport measured for the compressed phases (2 emulated
+hosts, 155 Mbit to 1 Gbit; docs/benchmarks.md, "Transport for the pipeline's phases"): 84-111% of a
+plain TCP exchange alone and 71-113% beside a busy compute thread, where Horovod's alltoall and
+allgather reached 51-64% and 15-59%, and mpi4py 70-106% and 50-100%. Gloo's TCP pairs are driven by
+its own C++ threads, woken by the kernel, so waiting needs neither the GIL nor a polling thread;
+receives are posted before sends (:meth:`PipelineChannel._exchange` says why).
+
+What it is: a ``ProcessGroupGloo`` (CPU tensors) and a second one for the consistency checks,
+built directly on a ``TCPStore`` that rank 0 serves, never through ``init_process_group``: the
+user's default process group, if any, is not touched. CUDA tensors go through a
+``ProcessGroupNCCL`` made from the same store on first use (the channel's collectives are issued in
+the same order on every rank, so its creation is too). Collectives are matched by issue order
+within each group, as in MPI: names only label errors.
+
+Building it is collective (:meth:`PipelineChannel.from_horovod`): every rank calls it at the
+same point of the program, from the training thread (one ``hvd.broadcast_object`` carries the
+store's address). For Horovod elastic, :meth:`close` the old channel at a reset and build a new
+one in the new world, from the training thread at the point where every rank (new workers too)
+rebuilds its engine: a new store on the new rank 0.
+
+One thread at a time issues the tensor collectives of a channel (the engine's comm thread for
+byte codecs, the training thread for plain all-reduces): the groups match transfers by issue
+order, so two engines must never share a channel.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .addresses import channel_address
+from .base import TIMEOUT_CAUSES, DoneHandle, PeerLostError, ReduceOp, default_timeout, postscale_factor
+
+# PIPESGD_TIMEOUT=0 means "no limit"; Gloo and the store need a number: ten years.
+_FOREVER = datetime.timedelta(days=3650)
+
+
+def _limit(timeout: Optional[float]) -> datetime.timedelta:
+    return _FOREVER if timeout is None else datetime.timedelta(seconds=timeout)
+
+
+class _WorkHandle:
+    """torch.distributed ``Work`` objects behind the project's Handle: ``wait()`` blocks in C++
+    with the GIL released (no polling that would take the compute thread's core), bounded by
+    the group's own timeout, and reports a broken or timed-out connection as PeerLostError.
+    ``keep`` holds the tensors the transfers read and write until they are done."""
+
+    def __init__(self, works: Sequence[Any], finish: Callable[[], Any], what: str, keep: Any = None) -> None:
+        self._works, self._finish, self._what, self._keep = list(works), finish, what, keep
+        self._result: Any = None
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._finished or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> Any:
+        if not self._finished:
+            try:
+                for work in self._works:
+                    work.wait()
+            except RuntimeError as exc:  # Gloo: "Connection reset by peer", "Timed out waiting ..."
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise PeerLostError(f"{self._what} failed on the pipeline channel ({first}): {TIMEOUT_CAUSES}") from exc
+            self._result = self._finish()
+            self._finished = True
+            self._works, self._keep = [], None
+        return self._result
+
+
+def _gloo_group(store: Any, rank: int, size: int, address: str, timeout: Optional[float]) -> Any:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    opts._timeout = _limit(timeout)
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+class PipelineChannel:
+    """Collectives for the pipeline's own traffic (the Communicator protocol of :mod:`.base`).
+
+    ``store``: a torch.distributed Store every rank reaches (rank 0 usually serves it);
+    ``address``: this rank's address for Gloo's connections (:func:`.addresses.channel_address`);
+    ``prefix``: keeps the keys of several channels (or generations, under elastic) apart.
+    Construction is collective. Use :meth:`from_horovod` under Horovod."""
+
+    def __init__(self, store: Any, rank: int, size: int, *, address: str, timeout: Optional[float] = None,
+                 prefix: str = "psgd.channel") -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank must be in [0, {size}), got {rank}")
+        self._rank, self._size, self._address = rank, size, address
+        self._timeout = timeout if timeout is not None else default_timeout()
+        self._store = store
+        self._prefix = prefix
+        self._tensors = _gloo_group(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, address, self._timeout)
+        # Checks get a group of their own: they run while reductions are in flight, and a rank
+        # that is missing one of those (fewer step() calls) must still answer the check.
+        self._checks = _gloo_group(dist.PrefixStore(f"{prefix}/checks", store), rank, size, address, self._timeout)
+        self._nccl: Any = None
+        self._closed = False
+
+    # --------------------------------------------------------------------------- building
+    @classmethod
+    def from_horovod(cls, timeout: Optional[float] = None, name: str = "psgd.channel") -> "PipelineChannel":
+        """Builds the channel over Horovod's world (``hvd.init()`` first). Collective: call it on
+        every rank at the same point, from the training thread; it issues one named
+        ``hvd.broadcast_object`` (rank 0's store address) and no Horovod op afterwards."""
+        import horovod.torch as hvd
+
+        if not hvd.is_initialized():
+            raise RuntimeError("Horovod is not initialized: call hvd.init() before building the pipeline channel")
+        rank, size = hvd.rank(), hvd.size()
+        timeout = timeout if timeout is not None else default_timeout()
+        offer: Any = None
+        server = None
+        address = ""
+        try:
+            address = channel_address(single_host=hvd.local_size() == size)
+            if rank == 0:
+                # Port 0: the OS picks a free one; workers are not awaited here (they connect
+                # only after the broadcast below).
+                server = dist.TCPStore(address, 0, None, True, timeout=_limit(timeout), wait_for_workers=False)
+                offer = ("ok", address, server.port)
+        except Exception as exc:  # noqa: BLE001 - sent to every rank below, then raised here
+            offer = ("error", f"rank {rank}: {type(exc).__name__}: {exc}")
+            if rank != 0:
+                raise
+        # Every rank takes part even when rank 0 failed, so that all of them raise, none hangs.
+        offer = hvd.broadcast_object(offer, root_rank=0, name=f"{name}.rendezvous")
+        if offer[0] != "ok":
+            raise RuntimeError(f"the pipeline channel could not start: {offer[1]}")
+        _, host, port = offer
+        store = server if server is not None else dist.TCPStore(host, port, None, False, timeout=_limit(timeout))
+        return cls(store, rank, size, address=address, timeout=timeout, prefix=name)
+
+    def close(self) -> None:
+        """Ends the groups without waiting for their peers (a lost peer, or a world that is gone at
+        a Horovod elastic reset); the channel is unusable afterwards. Dropping the groups closes
+        their sockets once no transfer holds them, which ends the peers' waits on this rank at
+        once. A transfer of this rank still waiting on a live peer that will never answer ends
+        only at the timeout: Gloo's abort does not interrupt a posted receive (measured)."""
+        if self._closed:
+            return
+        self._closed = True
+        for group in (self._tensors, self._checks, self._nccl):
+            if group is not None:
+                group.abort()
+        self._tensors = self._checks = self._nccl = None
+        self._store = None
+
+    # ------------------------------------------------------------------------- properties
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def address(self) -> str:
+        """This rank's address for the channel's connections (for logs and diagnosis)."""
+        return self._address
+
+    def _group(self, x: torch.Tensor) -> Any:
+        if self._closed:
+            raise RuntimeError("the pipeline channel was closed")
+        if x.device.type == "cpu":
+            return self._tensors
+        if x.device.type != "cuda":
+            raise ValueError(f"the pipeline channel reduces CPU or CUDA tensors, got one on {x.device}")
+        if self._nccl is None:
+            self._nccl = self._nccl_group()
+        return self._nccl
+
+    def _nccl_group(self) -> Any:
+        # Not yet run on a GPU (this project's CI has none): same store, its own prefix.
+        if not dist.is_nccl_available():
+            raise RuntimeError("CUDA tensors need a PyTorch built with NCCL for the pipeline channel")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _limit(self._timeout)
+        return dist.ProcessGroupNCCL(dist.PrefixStore(f"{self._prefix}/nccl", self._store), self._rank,
+                                     self._size, opts)
+
+    # ------------------------------------------------------------------------ collectives
+    def allreduce_async_(self, x: torch.Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
+                         prescale: float = 1.0, postscale: float = 1.0) -> Any:
+        after = postscale_factor(op, postscale, self._size)
+        if self._size == 1:
+            if prescale * after != 1.0:
+                x.mul_(prescale * after)
+            return DoneHandle(x)
+        if prescale != 1.0:
+            x.mul_(prescale)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        # Gloo's ring all-reduce sends in chunks and kept pace with a plain TCP exchange (docs/benchmarks.md).
+        work = self._group(x).allreduce([x], opts)
+        return _WorkHandle([work], lambda: x.mul_(after) if after != 1.0 else x, f"allreduce '{name}'")
+
+    def alltoall_async(self, x: torch.Tensor, name: str) -> Any:
+        if x.dim() == 0 or x.shape[0] != self._size:
+            raise ValueError(f"alltoall '{name}': the tensor needs one row per rank ({self._size}), "
+                             f"got shape {tuple(x.shape)}")
+        x = x.contiguous()
+        if self._size == 1:
+            return DoneHandle(x.clone())
+        out = torch.empty_like(x)
+        group = self._group(x)
+        if x.device.type != "cpu":
+            works = [group.alltoall_base(out, x, [], [], dist.AllToAllOptions())]
+        else:
+            out[self._rank] = x[self._rank]
+            works = self._exchange(group, [(p, x[p], out[p]) for p in self._peers()])
+        return _WorkHandle(works, lambda: out, f"alltoall '{name}'", keep=(x, out))
+
+    def allgather_async(self, x: torch.Tensor, name: str) -> Any:
+        x = x.contiguous()
+        if self._size == 1:
+            return DoneHandle(x.clone())
+        rows = x.shape[0]
+        out = x.new_empty((self._size * rows,) + tuple(x.shape[1:]))
+        group = self._group(x)
+        if x.device.type != "cpu":
+            works = [group._allgather_base(out, x)]
+        else:
+            out[self._rank * rows:(self._rank + 1) * rows] = x
+            works = self._exchange(group, [(p, x, out[p * rows:(p + 1) * rows]) for p in self._peers()])
+        return _WorkHandle(works, lambda: out, f"allgather '{name}'", keep=(x, out))
+
+    def _peers(self) -> List[int]:
+        # Starting at the next rank spreads the first sends over the ranks instead of all at rank 0.
+        return [(self._rank + i) % self._size for i in range(1, self._size)]
+
+    @staticmethod
+    def _exchange(group: Any, transfers: Sequence[Any]) -> List[Any]:
+        """Point-to-point: every receive is posted before any send. Why (measured, docs/benchmarks.md):
+        Gloo's TCP pair sends a message only once the receiver announced its receive, and queues
+        that announcement behind any data it is still writing; when a rank's send starts first,
+        its announcement waits for all of its data, so the two directions of an exchange take
+        turns and Gloo's own alltoall (and Horovod's) reach about half of a plain TCP exchange."""
+        works = [group.recv([recv], peer, 0) for peer, _, recv in transfers]
+        return works + [group.send([send], peer, 0) for peer, send, _ in transfers]
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        if self._closed:
+            raise RuntimeError("the pipeline channel was closed")
+        if self._size == 1:
+            return [pickle.loads(pickle.dumps(obj))]
+        # Sizes first, then every rank's bytes padded to the longest.
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.empty(self._size, dtype=torch.int64)
+        what = f"allgather_object '{name}'"
+        _WorkHandle([self._checks._allgather_base(sizes, torch.tensor([data.numel()], dtype=torch.int64))],
+                    lambda: None, what).wait()
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        gathered = torch.empty(self._size * longest, dtype=torch.uint8)  # Gloo wants size x the input's shape
+        _WorkHandle([self._checks._allgather_base(gathered, padded)], lambda: None, what).wait()
+        rows = gathered.view(self._size, longest)
+        return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(self._size)]

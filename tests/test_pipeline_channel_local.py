@@ -1,0 +1,148 @@
+"""PipelineChannel in one process: 2 ranks as threads on one TCPStore over loopback (no Horovod),
+against plain torch references; and how the channel picks its address.
+
+The multi-process tests (tests/test_pipeline_channel.py) compare it with Horovod's ops and kill
+peers; these are the quick tier.
+"""
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipesgd_hvd.comm import addresses
+from pipesgd_hvd.comm.base import PeerLostError, ReduceOp
+from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
+
+SIZE = 2
+
+
+def run_pair(fn, timeout=60, channel_timeout=30.0):
+    """``fn(rank, channel)`` on 2 threads, each with its own channel; returns the results."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    stores = [server, dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))]
+    results, errors = [None] * SIZE, []
+
+    def target(rank):
+        try:
+            channel = PipelineChannel(stores[rank], rank, SIZE, address="127.0.0.1", timeout=channel_timeout)
+            results[rank] = fn(rank, channel)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread below
+            errors.append((rank, exc))
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(SIZE)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        raise AssertionError(f"ranks still running after {timeout} s")
+    return results, errors
+
+
+def data(rank, shape, dtype=torch.float32):
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def test_collectives_match_plain_references():
+    def body(rank, ch):
+        x = data(rank, (SIZE, 1001))
+        a2a = ch.alltoall_async(x, "a2a").wait()
+        ag = ch.allgather_async(x[:1], "ag").wait()
+        summed = ch.allreduce_async_(x.clone(), "sum").wait()
+        averaged = ch.allreduce_async_(x.clone(), "avg", ReduceOp.AVERAGE, 0.5, 4.0).wait()
+        objs = ch.allgather_object({"r": rank, "blob": "x" * (rank * 1000)}, "obj")
+        return x, a2a, ag, summed, averaged, objs
+
+    results, errors = run_pair(body)
+    assert not errors, errors
+    inputs = [r[0] for r in results]
+    for rank, (x, a2a, ag, summed, averaged, objs) in enumerate(results):
+        assert torch.equal(a2a, torch.stack([inputs[src][rank] for src in range(SIZE)]))
+        assert torch.equal(ag, torch.stack([inputs[src][0] for src in range(SIZE)]))
+        assert torch.equal(summed, inputs[0] + inputs[1])
+        # Horovod's AVERAGE: sum of prescaled values, times postscale / size (exact in binary here).
+        assert torch.equal(averaged, (inputs[0] * 0.5 + inputs[1] * 0.5) * (4.0 / SIZE))
+        assert objs == [{"r": r, "blob": "x" * (r * 1000)} for r in range(SIZE)]
+
+
+def test_handles_report_done_and_results_stay_valid():
+    def body(rank, ch):
+        handles = [ch.alltoall_async(torch.full((SIZE, 4), 10 * rank + i, dtype=torch.uint8), f"a2a.{i}")
+                   for i in range(5)]  # several in flight at once, matched by issue order
+        outs = [h.wait() for h in handles]
+        return [o[:, 0].tolist() for o in outs], all(h.done() for h in handles)
+
+    results, errors = run_pair(body)
+    assert not errors, errors
+    for rank, (firsts, done) in enumerate(results):
+        assert done and firsts == [[i, 10 + i] for i in range(5)]
+
+
+def test_a_silent_peer_gives_peer_lost_error_at_the_timeout():
+    def body(rank, ch):
+        if rank == 1:
+            time.sleep(4.0)  # never issues the collective: rank 0 must give up at 1.5 s
+            return None
+        started = time.monotonic()
+        with pytest.raises(PeerLostError, match="pipeline channel.*PIPESGD_TIMEOUT"):
+            ch.alltoall_async(torch.zeros(SIZE, 8), "a2a").wait()
+        return time.monotonic() - started
+
+    results, errors = run_pair(body, channel_timeout=1.5)
+    assert not errors, errors
+    assert 1.4 <= results[0] <= 3.5, results[0]
+
+
+def test_a_peer_that_closes_its_channel_ends_the_others_wait_at_once():
+    """What a Horovod elastic reset relies on: closing drops the groups, whose sockets close."""
+    def body(rank, ch):
+        if rank == 1:
+            time.sleep(0.5)
+            ch.close()
+            return None
+        started = time.monotonic()
+        with pytest.raises(PeerLostError, match="closed by peer|reset by peer"):
+            ch.alltoall_async(torch.zeros(SIZE, 8), "a2a").wait()
+        return time.monotonic() - started
+
+    results, errors = run_pair(body, channel_timeout=30.0)
+    assert not errors, errors
+    assert results[0] < 10.0, results[0]  # far below the 30 s timeout
+
+
+def test_closed_channel_refuses_collectives():
+    def body(rank, ch):
+        ch.close()
+        ch.close()  # idempotent
+        with pytest.raises(RuntimeError, match="closed"):
+            ch.alltoall_async(torch.zeros(SIZE, 2), "a2a")
+        return True
+
+    results, errors = run_pair(body)
+    assert not errors and results == [True, True], errors
+
+
+# ------------------------------------------------------------------------------ addresses
+def test_address_order_interface_variables_first():
+    assert addresses.channel_address(False, {"PIPESGD_CHANNEL_IFACE": "lo", "HOROVOD_GLOO_IFACE": "nope0"}) == "127.0.0.1"
+    assert addresses.channel_address(False, {"HOROVOD_GLOO_IFACE": "lo"}) == "127.0.0.1"
+    assert addresses.channel_address(True, {}) == "127.0.0.1"
+
+
+def test_unknown_interface_names_the_variable_to_set():
+    with pytest.raises(RuntimeError, match="'nope0' has no IPv4 address.*PIPESGD_CHANNEL_IFACE"):
+        addresses.channel_address(False, {"PIPESGD_CHANNEL_IFACE": "nope0"})
+
+
+def test_several_hosts_with_a_loopback_host_name_is_refused(monkeypatch):
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    with pytest.raises(RuntimeError, match="loopback address.*PIPESGD_CHANNEL_IFACE"):
+        addresses.channel_address(False, {})
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "198.18.0.2")
+    assert addresses.channel_address(False, {}) == "198.18.0.2"
