@@ -71,7 +71,7 @@ BAD_ARGUMENTS = [
     ({"fusion_threshold_mb": float("inf")}, ValueError, r"fusion_threshold_mb must be a finite number >= 0"),
     ({"fusion_threshold_mb": float("nan")}, ValueError, r"fusion_threshold_mb must be a finite number >= 0"),
     ({"fusion_threshold_mb": "64"}, ValueError, r"fusion_threshold_mb must be a finite number >= 0"),
-    ({"communicator": "nccl"}, ValueError, r"unknown communicator 'nccl': use 'horovod', 'mpi4py' or 'torch.distributed'"),
+    ({"communicator": "nccl"}, ValueError, r"unknown communicator 'nccl': use 'channel', 'horovod', 'mpi4py' or 'torch.distributed'"),
     ({"communicator": object()}, TypeError, r"communicator must be a pipesgd_hvd Communicator .* object lacks allreduce_async_"),
     ({"grad_scaler": object()}, TypeError, r"grad_scaler must be the torch.amp.GradScaler in use \(or None\)"),
     ({"seed": -1}, ValueError, r"seed must be an int >= 0"),
@@ -476,7 +476,7 @@ def test_mp_step_without_backward_on_one_rank_is_reported_on_both():
                     controller="gloo", env={"PIPESGD_TIMEOUT": "20"})
     assert re.search(r"RAISED rank1 RuntimeError after \d+\.\d+ s: step\(\)/synchronize\(\) was called without a "
                      r"backward pass", out), out
-    assert re.search(r"RAISED rank0 HorovodPeerLostError after \d+\.\d+ s: a peer was lost", out), out
+    assert re.search(r"RAISED rank0 HorovodPeerLostError after \d+\.\d+ s: .*a peer was lost", out), out
 
 
 @pytest.mark.multiprocess
@@ -516,8 +516,10 @@ def test_mp_killed_peer_is_reported_by_the_survivor():
     """SIGKILL of rank 1 in a width-2 int8 run (Gloo): rank 0 reports the lost peer within a second."""
     out = run_ranks("mp/reliability_lost_peer.py", "kill", controller="gloo", expect_failure=True, timeout=120)
     assert _detection_seconds(out) < 5.0, out
-    assert re.search(r"RAISED rank0 HorovodPeerLostError after [\d.]+ s: a peer was lost: Horovod shut down while "
-                     r"(alltoall|allgather) 'psgd\.", out), out
+    # The pipeline's own channel (the default under Horovod) sees the broken connection; its error
+    # is a HorovodInternalError too, as hvd.elastic.run expects.
+    assert re.search(r"RAISED rank0 HorovodPeerLostError after [\d.]+ s: (alltoall|allgather) 'psgd\.[^']*' failed on "
+                     r"the pipeline channel \(.*\): a peer was lost", out), out
     # The job fails (horovodrun names the first process that exited non-zero: rank 0 when its error
     # ends it first, rank 1 when the launcher reaps the killed one first; both were seen here).
     assert re.search(r"Process [01] exit with status code [1-9]", out), out

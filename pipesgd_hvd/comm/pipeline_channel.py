@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
@@ -55,8 +55,10 @@ class _WorkHandle:
     the group's own timeout, and reports a broken or timed-out connection as PeerLostError.
     ``keep`` holds the tensors the transfers read and write until they are done."""
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], Any], what: str, keep: Any = None) -> None:
+    def __init__(self, works: Sequence[Any], finish: Callable[[], Any], what: str, keep: Any = None,
+                 error: Type[PeerLostError] = PeerLostError, timeout: Optional[float] = None) -> None:
         self._works, self._finish, self._what, self._keep = list(works), finish, what, keep
+        self._error, self._timeout = error, timeout
         self._result: Any = None
         self._finished = False
 
@@ -70,7 +72,10 @@ class _WorkHandle:
                     work.wait()
             except RuntimeError as exc:  # Gloo: "Connection reset by peer", "Timed out waiting ..."
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise PeerLostError(f"{self._what} failed on the pipeline channel ({first}): {TIMEOUT_CAUSES}") from exc
+                if "Timed out" in first and self._timeout is not None:  # the same words as every transport's timeout
+                    raise self._error(f"{self._what} on the pipeline channel did not complete within {self._timeout:g} s "
+                                      f"(PIPESGD_TIMEOUT): {TIMEOUT_CAUSES}") from exc
+                raise self._error(f"{self._what} failed on the pipeline channel ({first}): {TIMEOUT_CAUSES}") from exc
             self._result = self._finish()
             self._finished = True
             self._works, self._keep = [], None
@@ -93,7 +98,9 @@ class PipelineChannel:
     Construction is collective. Use :meth:`from_horovod` under Horovod."""
 
     def __init__(self, store: Any, rank: int, size: int, *, address: str, timeout: Optional[float] = None,
-                 prefix: str = "psgd.channel") -> None:
+                 prefix: str = "psgd.channel", error: Type[PeerLostError] = PeerLostError) -> None:
+        """``error``: the PeerLostError subclass a failure raises (under Horovod, one that is also
+        a HorovodInternalError, so that ``hvd.elastic.run`` resets on it)."""
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         self._rank, self._size, self._address = rank, size, address
@@ -106,6 +113,7 @@ class PipelineChannel:
         self._checks = _gloo_group(dist.PrefixStore(f"{prefix}/checks", store), rank, size, address, self._timeout)
         self._nccl: Any = None
         self._closed = False
+        self._error = error
 
     # --------------------------------------------------------------------------- building
     @classmethod
@@ -139,7 +147,9 @@ class PipelineChannel:
             raise RuntimeError(f"the pipeline channel could not start: {offer[1]}")
         _, host, port = offer
         store = server if server is not None else dist.TCPStore(host, port, None, False, timeout=_limit(timeout))
-        return cls(store, rank, size, address=address, timeout=timeout, prefix=name)
+        from .horovod_torch import HorovodPeerLostError
+
+        return cls(store, rank, size, address=address, timeout=timeout, prefix=name, error=HorovodPeerLostError)
 
     def close(self) -> None:
         """Ends the groups without waiting for their peers (a lost peer, or a world that is gone at
@@ -204,7 +214,8 @@ class PipelineChannel:
         opts.reduceOp = dist.ReduceOp.SUM
         # Gloo's ring all-reduce sends in chunks and kept pace with a plain TCP exchange (docs/benchmarks.md).
         work = self._group(x).allreduce([x], opts)
-        return _WorkHandle([work], lambda: x.mul_(after) if after != 1.0 else x, f"allreduce '{name}'")
+        return _WorkHandle([work], lambda: x.mul_(after) if after != 1.0 else x, f"allreduce '{name}'",
+                           error=self._error, timeout=self._timeout)
 
     def alltoall_async(self, x: torch.Tensor, name: str) -> Any:
         if x.dim() == 0 or x.shape[0] != self._size:
@@ -220,7 +231,7 @@ class PipelineChannel:
         else:
             out[self._rank] = x[self._rank]
             works = self._exchange(group, [(p, x[p], out[p]) for p in self._peers()])
-        return _WorkHandle(works, lambda: out, f"alltoall '{name}'", keep=(x, out))
+        return _WorkHandle(works, lambda: out, f"alltoall '{name}'", keep=(x, out), error=self._error, timeout=self._timeout)
 
     def allgather_async(self, x: torch.Tensor, name: str) -> Any:
         x = x.contiguous()
@@ -234,7 +245,7 @@ class PipelineChannel:
         else:
             out[self._rank * rows:(self._rank + 1) * rows] = x
             works = self._exchange(group, [(p, x, out[p * rows:(p + 1) * rows]) for p in self._peers()])
-        return _WorkHandle(works, lambda: out, f"allgather '{name}'", keep=(x, out))
+        return _WorkHandle(works, lambda: out, f"allgather '{name}'", keep=(x, out), error=self._error, timeout=self._timeout)
 
     def _peers(self) -> List[int]:
         # Starting at the next rank spreads the first sends over the ranks instead of all at rank 0.
@@ -260,11 +271,11 @@ class PipelineChannel:
         sizes = torch.empty(self._size, dtype=torch.int64)
         what = f"allgather_object '{name}'"
         _WorkHandle([self._checks._allgather_base(sizes, torch.tensor([data.numel()], dtype=torch.int64))],
-                    lambda: None, what).wait()
+                    lambda: None, what, error=self._error, timeout=self._timeout).wait()
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:data.numel()] = data
         gathered = torch.empty(self._size * longest, dtype=torch.uint8)  # Gloo wants size x the input's shape
-        _WorkHandle([self._checks._allgather_base(gathered, padded)], lambda: None, what).wait()
+        _WorkHandle([self._checks._allgather_base(gathered, padded)], lambda: None, what, error=self._error, timeout=self._timeout).wait()
         rows = gathered.view(self._size, longest)
         return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(self._size)]

@@ -1,40 +1,61 @@
-"""Which transport a PyTorch optimizer uses when it is not given one."""
+"""Which transport a PyTorch optimizer uses when it is not given one object.
+
+Under Horovod the default is the pipeline's own channel (:mod:`.pipeline_channel`), built over
+Horovod's world: Horovod names an unnamed op after a per-process counter that every Horovod op
+advances, so the pipeline's collectives, issued at moments that depend on thread timing, must
+not be Horovod's ops (the user's unnamed ``hvd.allreduce(metric)`` would get different names on
+different ranks and hang); the channel also moves the compressed phases at wire speed where
+Horovod's alltoall/allgather reach about half (docs/benchmarks.md, "phase transport").
+"""
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 from .base import Communicator
 
-TRANSPORTS = ("horovod", "mpi4py", "torch.distributed")
+TRANSPORTS = ("channel", "horovod", "mpi4py", "torch.distributed")
+CommFactory = Callable[[], Communicator]
 
 
-def default_communicator(name: Optional[str] = None) -> Communicator:
-    """Horovod when it is initialized, else torch.distributed; ``name`` or ``PIPESGD_COMMUNICATOR``
-    ("horovod", "mpi4py", "torch.distributed") picks one explicitly."""
+def _horovod_initialized() -> bool:
+    try:
+        import horovod.torch as hvd
+    except ImportError:  # torchrun users may not have Horovod
+        return False
+    return bool(hvd.is_initialized())
+
+
+def default_communicator(name: Optional[str] = None, *, collective: bool = True) -> Tuple[Communicator, Optional[CommFactory]]:
+    """The transport named ``name`` (or ``PIPESGD_COMMUNICATOR``): "channel" (the default under
+    Horovod), "horovod" (Horovod's own ops), "mpi4py", "torch.distributed" (the default without
+    Horovod). Returns it and, when it must be built again for a new Horovod elastic world, how.
+
+    ``collective=False``: issue no collective now (a worker joining a Horovod elastic job): the
+    channel is then built by the factory, at the elastic sync, and Horovod's ops serve until then."""
     name = name or os.environ.get("PIPESGD_COMMUNICATOR") or None
     if name is not None and name not in TRANSPORTS:
-        raise ValueError(f"unknown communicator {name!r}: use 'horovod', 'mpi4py' or 'torch.distributed'")
+        raise ValueError(f"unknown communicator {name!r}: use 'channel', 'horovod', 'mpi4py' or 'torch.distributed'")
     if name == "mpi4py":
         from ..frameworks.torch_ops import TORCH_OPS
         from .mpi4py import Mpi4pyCommunicator
 
-        return Mpi4pyCommunicator(TORCH_OPS)
-    if name in (None, "horovod"):
-        try:
-            import horovod.torch as hvd
-        except ImportError:  # torchrun users may not have Horovod
-            hvd = None
-        if hvd is not None and hvd.is_initialized():
-            from .horovod_torch import HorovodTorchCommunicator
+        return Mpi4pyCommunicator(TORCH_OPS), None
+    if name in (None, "channel", "horovod") and _horovod_initialized():
+        from .horovod_torch import HorovodTorchCommunicator
+        from .pipeline_channel import PipelineChannel
 
-            return HorovodTorchCommunicator()
+        if name == "horovod":
+            return HorovodTorchCommunicator(), None
+        if not collective:
+            return HorovodTorchCommunicator(), PipelineChannel.from_horovod
+        return PipelineChannel.from_horovod(), PipelineChannel.from_horovod
     if name in (None, "torch.distributed"):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             from .torch_distributed import TorchDistributedCommunicator
 
-            return TorchDistributedCommunicator()
+            return TorchDistributedCommunicator(), None
     raise RuntimeError("no communicator is ready: call hvd.init() (or torch.distributed.init_process_group()) "
                        "before creating DistributedOptimizer")

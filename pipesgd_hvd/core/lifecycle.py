@@ -67,10 +67,14 @@ class PipelineLifecycle:
 
     def __init__(self, options: PipelineOptions, names: Sequence[str], comm: Communicator, ops: TensorOps,
                  build: PipelineBuilder, weights: Callable[[], List[Tensor]],
-                 weights_guard: Callable[[], ContextManager[Any]]) -> None:
+                 weights_guard: Callable[[], ContextManager[Any]],
+                 comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         """``weights``/``weights_guard``: the tensors weight prediction writes, and the context
-        to write them in (``torch.no_grad``)."""
+        to write them in (``torch.no_grad``). ``comm_factory``: builds the transport again for a
+        new Horovod elastic world (collective); the transport is then this optimizer's own, closed
+        at a change of the world and at exit."""
         self.options, self.comm, self.ops = options, comm, ops
+        self._comm_factory = comm_factory
         self.names = list(names)
         self._build, self._weights, self._weights_guard = build, weights, weights_guard
         self.width, self._codec_template = options.initial()
@@ -166,6 +170,7 @@ class PipelineLifecycle:
         """After HorovodInternalError (a worker was lost): drop what is in flight, unwaited, and
         go back to the committed entry. Horovod is broken here: no collective."""
         self.pipeline.abandon()
+        self.close_comm()  # its peers are gone or about to be; elastic_sync builds it anew
         self.pipeline = self._new_pipeline(check_ranks=False)
         if entry is not None:
             self.pipeline.load_state_dict(entry)
@@ -178,6 +183,11 @@ class PipelineLifecycle:
         ``load_root_state``), the reduced in-flight gradients and the step count; error-feedback
         residuals start afresh (pipesgd_hvd.elastic)."""
         held = self.pipeline.abandon()
+        if self._comm_factory is not None:  # the old world's connections; every rank is here: build anew
+            self.close_comm()
+            self.comm = self._comm_factory()
+            if self.auto_controller is not None:
+                self.auto_controller.comm = self.comm
         self._name = agree_pipeline_name(self.comm)  # collective: every rank of the new world is here
         self.pipeline = self._new_pipeline()
         root = None
@@ -186,6 +196,13 @@ class PipelineLifecycle:
         outer, entry = self.comm.allgather_object(root, f"{self._name}.elastic")[0]
         load_root_state(outer)
         self.pipeline.load_state_dict(entry)
+
+
+    def close_comm(self) -> None:
+        """Closes the transport if it is this optimizer's own (built by ``comm_factory``)."""
+        close = getattr(self.comm, "close", None)
+        if self._comm_factory is not None and close is not None:
+            close()
 
 
 def call_at_exit(owner: Any, method: Callable[[Any], None]) -> None:

@@ -74,9 +74,10 @@ class OptimizerCore(PipelineLifecycle):
     """One pipelined optimizer's state and per-step policy (see the module docstring)."""
 
     def __init__(self, options: PipelineOptions, names: Sequence[str], adapter: TrainingAdapter,
-                 comm: Communicator) -> None:
+                 comm: Communicator, comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         self.adapter = adapter
-        super().__init__(options, names, comm, adapter.ops, self._engine_for, adapter.weights, adapter.weights_guard)
+        super().__init__(options, names, comm, adapter.ops, self._engine_for, adapter.weights, adapter.weights_guard,
+                         comm_factory)
         self._weights_predicted = False  # the tensors hold the prediction, not the real weights
         self._passes = [0] * len(self.names)
         self._synchronized = False       # synchronize() ran; step() has not
@@ -326,3 +327,4 @@ class OptimizerCore(PipelineLifecycle):
             # handler: Horovod registered its handler earlier) must not keep the process alive.
             exit_if_stuck(f"the pipeline stopped at {type(engine.failure).__name__}")
         engine.close()
+        self.close_comm()

@@ -19,6 +19,7 @@ from ..config import WireStats
 from ..core import checkpoint
 from ..core.optimizer import OptimizerCore
 from ..core.options import PipelineOptions
+from ..elastic import is_elastic_job
 from ..engine import PipelineEngine
 from ..fusion import DEFAULT_FUSION_THRESHOLD
 from . import torch_checks as checks
@@ -89,9 +90,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         checks.check_groups(num_groups, groups, [p for _, p in named])
         self._optimizer = optimizer
         self._adapter = TorchAdapter(optimizer, named, sparse_as_dense, grad_scaler)
-        comm = communicator if communicator is not None and not isinstance(communicator, str) \
-            else default_communicator(communicator)
-        self._core = OptimizerCore(options, [n for n, _ in named], self._adapter, comm)
+        comm, factory = (communicator, None) if communicator is not None and not isinstance(communicator, str) \
+            else default_communicator(communicator, collective=not is_elastic_job())
+        self._core = OptimizerCore(options, [n for n, _ in named], self._adapter, comm, factory)
         self.backward_passes_per_step = options.backward_passes_per_step
         self.sparse_as_dense = sparse_as_dense
         if _hvd is not None:
