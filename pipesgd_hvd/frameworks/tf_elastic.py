@@ -5,7 +5,8 @@ pipeline: its ``KerasState`` calls ``optimizer.variables()`` (a list property in
 TypeError at construction) and would miss the pending gradients, which live in the pipeline's
 slot variables, unreduced and different on every rank; its ``run`` turns only TensorFlow errors
 naming HorovodAllreduce/Allgather/Broadcast into ``HorovodInternalError`` and returns None for
-any other ``UnknownError`` (the failure passes unseen); its ``UpdateBatchStateCallback``
+any other ``UnknownError``: a worker lost during a pipelined step (whose error names our
+collective, e.g. an alltoall) would end training silently, as if it had finished; its ``UpdateBatchStateCallback``
 shortens the first epoch after a reset by writing ``params["steps"]``, which Keras 3 never reads.
 
 Here, with the rule of :mod:`pipesgd_hvd.elastic` (the same as PyTorch's ``TorchState``):
@@ -38,19 +39,23 @@ from .keras_callbacks import broadcast_variables
 from .tensorflow import _PipelinedOptimizer
 from .tf_core import KerasCore
 
-# A TensorFlow error raised by one of Horovod's ops (eagerly, or inside a traced step, where the
-# message names the failing node) or by Horovod once it has shut down after a failure.
-_HOROVOD_FAILURE = re.compile(r"Horovod(Allreduce|Allgather|Broadcast|Alltoall|Reducescatter|Barrier|Join)"
-                              r"|Horovod has been shut down")
+# What a Horovod op says when its world broke: Horovod shut down after a transport error (a lost
+# worker) and fails every op with UnknownError "Horovod has been shut down ...". A traced step's
+# message names the node (our collective's name, e.g. "psgd.2.9522f1ca.b0.stale.a2a") and the
+# Python call that made it ("horovod_alltoall"); an eager op's names the kernel
+# ("__wrapped__HorovodAllgather"). Mismatched tensors are other error types (FailedPrecondition,
+# InvalidArgument): a bug to report, not a reason to restore.
+_HOROVOD_OP = re.compile(r"Horovod has been shut down|horovod_?(allreduce|allgather|broadcast|alltoall|reducescatter)",
+                         re.IGNORECASE)
 
 
 def lost_world(error: BaseException) -> bool:
     """Whether ``error`` means a collective failed because the world broke (a worker was lost):
-    :class:`~pipesgd_hvd.comm.base.PeerLostError`, or a TensorFlow error from a Horovod op, ours
-    (the reductions' allreduce/alltoall/allgather, ``allgather_object``'s checks) or the user's."""
+    :class:`~pipesgd_hvd.comm.base.PeerLostError`, or an ``UnknownError`` from a Horovod op, ours
+    (the reductions' allreduce/alltoall/allgather, ``allgather_object`` in the checks) or the user's."""
     if isinstance(error, PeerLostError):
         return True
-    return isinstance(error, tf.errors.OpError) and _HOROVOD_FAILURE.search(str(error.message)) is not None
+    return isinstance(error, tf.errors.UnknownError) and _HOROVOD_OP.search(str(error.message)) is not None
 
 
 def raise_lost_world_as_internal_error(func: Callable[..., Any]) -> Callable[..., Any]:
