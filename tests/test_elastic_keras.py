@@ -178,6 +178,24 @@ def test_keras_state_builds_the_optimizer_and_restore_goes_back_to_the_commit_pe
     assert any(not np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
 
 
+def test_keras_state_saves_and_restores_a_plain_keras_optimizer_too():
+    """Horovod's own TensorFlowKerasState fails on Keras 3 (``optimizer.variables()``)."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    state = hvd.elastic.KerasState(model, epoch=0)
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 3), "float32")
+    model.fit(x, y, batch_size=4, verbose=0)
+    state.epoch = 1
+    state.save()
+    saved = [v.numpy() for v in model.variables + model.optimizer.variables]
+    model.fit(x, y, batch_size=4, verbose=0)
+    state.epoch = 2
+    state.restore()
+    assert state.epoch == 1 and model.train_function is None
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(saved, model.variables + model.optimizer.variables))
+
+
 def test_keras_state_refuses_what_it_does_not_support_and_needs_a_built_model():
     comm = LocalWorld(1, TensorFlowOps()).communicator(0)
     model, _ = _model_and_optimizer(comm, staleness_correction=True)

@@ -6,8 +6,9 @@ TypeError at construction) and would miss the pending gradients, which live in t
 slot variables, unreduced and different on every rank; its ``run`` turns only TensorFlow errors
 naming HorovodAllreduce/Allgather/Broadcast into ``HorovodInternalError`` and returns None for
 any other ``UnknownError``: a worker lost during a pipelined step (whose error names our
-collective, e.g. an alltoall) would end training silently, as if it had finished; its ``UpdateBatchStateCallback``
-shortens the first epoch after a reset by writing ``params["steps"]``, which Keras 3 never reads.
+collective, e.g. an alltoall) would end training silently, as if it had finished; its
+``UpdateBatchStateCallback`` shortens the first epoch after a reset by writing
+``params["steps"]``, which Keras 3 never reads.
 
 Here, with the rule of :mod:`pipesgd_hvd.elastic` (the same as PyTorch's ``TorchState``):
 
