@@ -161,11 +161,27 @@ class KerasCore(PipelineLifecycle):
         self.load_prediction(entry.get("prediction"))
 
     # -------------------------------------------------------------------- Horovod elastic
+    # Called by frameworks/tf_elastic.py's KerasState; the rule is pipesgd_hvd/elastic.py's. Each
+    # replaces the pipeline: traced steps must be traced again (KerasState does it).
+    def elastic_restore(self, entry: Optional[Dict[str, Any]]) -> None:
+        """After a lost worker: back to the committed entry (``state_dict()``), no collective."""
+        with tf.init_scope():
+            # The step that failed never ends: nothing waits on it any more, so neither the
+            # watchdog nor the exit handler may count it as a step in progress.
+            self.progress.ended.assign(self.progress.begun.read_value())
+        super().elastic_restore(entry)
+        self._replaced()
+
     def elastic_sync_from(self, root_state: Callable[[], Any], load_root_state: Callable[[Any], None]) -> None:
         with self.progress.eager_step():
             self.elastic_sync(root_state, load_root_state)
         self.replicas = None if self.replicas is None else \
             ReplicaCheck(self.comm, self.graph.schedule, self.names, self.name)
+        self._replaced()
+
+    def _replaced(self) -> None:
+        for listener in self.switched:  # the optimizer tracks the new pipeline's variables
+            listener()
 
     def close(self) -> None:
         self.pipeline.close()

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from ..comm.base import Communicator
+from ..comm.base import Communicator, DoneHandle, ReduceOp
 from ..compression.allreduce import reduce_bucket
 from ..compression.codecs import Codec
 from ..config import PipelineConfig, WireStats, settings_entries
@@ -46,7 +46,11 @@ STALE_SCOPE, SYNC_SCOPE = "pipesgd_stale_reduction", "pipesgd_sync_reduction"
 
 
 class GraphPipeline(tf.Module):
-    """Width-K pipeline whose state is TensorFlow variables (saved by ``tf.train.Checkpoint``)."""
+    """Width-K pipeline whose state is TensorFlow variables (saved by ``tf.train.Checkpoint``).
+
+    ``check_ranks=False``: built where no collective may run (a worker joining a Horovod elastic
+    job while the others sync; the survivors of a lost worker): no cross-rank check, and the
+    codec is primed without communicating (:class:`_ShapesOnly`)."""
 
     def __init__(self, specs: Sequence[TensorSpec], *, comm: Communicator, codec: Codec,
                  config: PipelineConfig, first_step: int = 0, check_ranks: bool = True) -> None:
@@ -71,7 +75,7 @@ class GraphPipeline(tf.Module):
             self.reduced = tf.Variable(tf.zeros((slots,), tf.bool), trainable=False, name="pending_reduced")
             self.bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
             self.fp32_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="fp32_bytes")
-            self.codec_state = self._prime_codec()
+            self.codec_state = self._prime_codec(comm if check_ranks else _ShapesOnly(comm))
 
     # ------------------------------------------------------------------------------ tracing
     def exchange(self, grads: Sequence[Optional[tf.Tensor]]) -> Tuple[List[Optional[tf.Tensor]], tf.Tensor]:
@@ -237,13 +241,14 @@ class GraphPipeline(tf.Module):
         by_index = self._by_index(flats)
         return [by_index[i] if like[i] is not None else None for i in range(len(self.specs))]
 
-    def _reduce_all(self, flats: Sequence[tf.Tensor], tag: str, step: Step) -> List[tf.Tensor]:
+    def _reduce_all(self, flats: Sequence[tf.Tensor], tag: str, step: Step,
+                    comm: Optional[Communicator] = None) -> List[tf.Tensor]:
         """Every bucket reduced; ``step``: the step whose gradient it is (seeds rounding)."""
         schedule, (prescale, postscale) = self.schedule, self.config.scale_factors()
         out, sent = [], 0
         for bucket, flat in zip(self.layout.buckets, flats):
             reduced, bucket_sent = reduce_bucket(
-                self.ops, self.comm, self.codec, flat, name=schedule.op_name(self.layout, bucket.index, tag),
+                self.ops, comm or self.comm, self.codec, flat, name=schedule.op_name(self.layout, bucket.index, tag),
                 key=schedule.state_key(self.layout, bucket.index), seed=schedule.seed(bucket.index, self.comm.rank, step),
                 op=self.config.op, prescale=prescale, postscale=postscale).wait()
             out.append(reduced)
@@ -257,9 +262,31 @@ class GraphPipeline(tf.Module):
         self.bytes_sent.assign_add(tf.where(happened, tf.constant(self._sent, tf.int64), 0))
         self.fp32_bytes.assign_add(tf.where(happened, tf.constant(fp32, tf.int64), 0))
 
-    def _prime_codec(self) -> List[tf.Variable]:
+    def _prime_codec(self, comm: Communicator) -> List[tf.Variable]:
         """Creates the codec's state variables (error-feedback residuals) now, by reducing zeros
         once (all ranks do it at build), so they exist before any trace and are checkpointed.
         Also sets the bytes one reduction sends."""
-        self._reduce_all([tf.zeros((b.numel,), tf_dtype(b.dtype)) for b in self.layout.buckets], "prime", 0)
+        self._reduce_all([tf.zeros((b.numel,), tf_dtype(b.dtype)) for b in self.layout.buckets], "prime", 0, comm)
         return [v for _, v in sorted(self._residuals().items())]
+
+
+class _ShapesOnly:
+    """``comm``'s rank and size with collectives that send nothing and return results of the right
+    shape: enough to prime a codec (its variables' shapes and the bytes a reduction sends depend
+    only on the shapes) where no collective may run."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.rank, self.size = comm.rank, comm.size
+
+    def allreduce_async_(self, x: tf.Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
+                         prescale: float = 1.0, postscale: float = 1.0) -> DoneHandle:
+        return DoneHandle(x)
+
+    def alltoall_async(self, x: tf.Tensor, name: str) -> DoneHandle:
+        return DoneHandle(x)
+
+    def allgather_async(self, x: tf.Tensor, name: str) -> DoneHandle:
+        return DoneHandle(tf.tile(x, [self.size] + [1] * (x.shape.rank - 1)))
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        return [obj] * self.size

@@ -3,10 +3,11 @@
 Horovod's functions are handed through unchanged (init, rank, size, local_rank, allreduce,
 allgather, broadcast, ...). Ours, because Horovod's do not work with Keras 3:
 ``DistributedOptimizer`` (pipelined; ``width=1`` is synchronous), ``callbacks`` (broadcast,
-metric average, learning-rate warm-up and schedule, best-model checkpoint), and
-``broadcast_global_variables`` / ``load_model``. ``Compression`` is ours and also accepts
-Horovod's compressors. ``ReplicaDriftError``, ``StepCountMismatchError``, ``PeerLostError``: the
-errors of ``docs/reliability.md``.
+metric average, learning-rate warm-up and schedule, best-model checkpoint), ``elastic``
+(``KerasState``, ``run`` and the elastic callbacks), and ``broadcast_global_variables`` /
+``load_model``. ``Compression`` is ours and also accepts Horovod's compressors.
+``ReplicaDriftError``, ``StepCountMismatchError``, ``PeerLostError``: the errors of
+``docs/reliability.md``.
 """
 from horovod.tensorflow.keras import (  # noqa: F401
     Average, ProcessSet, Sum, add_process_set, allgather, allreduce, broadcast, ccl_built, cross_rank, cross_size,
@@ -20,8 +21,8 @@ from ..compression import Compression
 from ..frameworks.keras_callbacks import broadcast_global_variables, broadcast_variables
 from ..frameworks.tensorflow import DistributedOptimizer, load_model
 from ..guards import ReplicaDriftError, StepCountMismatchError
-from . import callbacks
+from . import callbacks, elastic
 
 __all__ = ["Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
            "StepCountMismatchError", "Sum", "broadcast_global_variables", "broadcast_variables", "callbacks",
-           "load_model"]
+           "elastic", "load_model"]
