@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
@@ -35,7 +36,7 @@ from .compression.codecs import Codec
 from .config import PipelineConfig, WireStats, integer, settings_entries
 from .consistency import check_pipeline_agrees, check_ranks_agree
 from .fusion import Bucket, FusionLayout, TensorSpec, plan_buckets
-from .guards import check_replicas, check_steps_agree
+from .guards import check_replicas, check_steps_agree, checksum
 from .schedule import PipelineSchedule
 from .tensor_ops import MutableTensorOps, Tensor
 
@@ -253,11 +254,13 @@ class PipelineEngine:
             self._fail(RuntimeError("this pipeline was abandoned at a change of the Horovod world; "
                                     "the optimizer continues on a new one"))
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stops the communication thread once its queued reductions are done (``wait=False``:
+        without waiting for them here)."""
         if self._worker is not None:
             # After a failure, queued reductions would only wait for a peer that is gone.
             failed = self._failure is not None
-            self._worker.shutdown(wait=not failed, cancel_futures=failed)
+            self._worker.shutdown(wait=wait and not failed, cancel_futures=failed)
             self._worker = None
 
     # ------------------------------------------------------------------------- replica check
@@ -388,10 +391,14 @@ class PipelineEngine:
         """Waits for the steps in flight and returns them reduced, with codec state and counters
         (the engine's part of the checkpoint format of :mod:`pipesgd_hvd.core.checkpoint`).
         Tensors are copies: training may go on after the call."""
-        self._raise_if_failed()
         if self._current is not None:
             raise RuntimeError("state_dict() was called between backward() and step(): call step() first, "
                                "so that the current gradients are part of the pipeline")
+        return self.resumable_state()
+
+    def resumable_state(self) -> Dict[str, Any]:
+        """:meth:`state_dict` of the steps already ended (an open step is not part of it)."""
+        self._raise_if_failed()
         in_flight = []
         for s in self._queue:
             applied = self._finish(s)
@@ -400,6 +407,33 @@ class PipelineEngine:
         codec_state = {k: _copy_tree(v, self.ops) for k, v in self.codec.state_dict().items()}
         return {"step": self._step, "settings": self.settings(), "in_flight": in_flight,
                 "codec": codec_state, "stats": vars(self.stats).copy()}
+
+    def resume_summary(self) -> Tuple[int, List[int], str]:
+        """(steps ended, the steps in flight, a digest of their averaged gradients): equal on every
+        rank that resumed from the same checkpoint (or started afresh). Waits for the steps in
+        flight. Used once after construction or a load (see OptimizerCore)."""
+        digest = hashlib.blake2b(digest_size=8)
+        steps = []
+        for s in self._queue:
+            applied = self._finish(s)
+            steps.append(s.step)
+            for i in sorted(applied.grads):
+                digest.update(checksum(self.ops.to_numpy(self.ops.read(applied.grads[i]))))
+        return self._step, steps, digest.hexdigest()
+
+    def adopt(self, state: Dict[str, Any]) -> None:
+        """Takes over another rank's resumed state (its :meth:`state_dict`): its step count and its
+        reduced in-flight steps; error-feedback residuals start afresh (they are that rank's
+        own quantization errors). Allowed before anything was launched in the open step, which is
+        numbered anew."""
+        cur = self._current
+        if cur is not None and any(r is not None for r in cur.reductions):
+            raise RuntimeError("adopt() after reductions of the open step started")
+        self._current, self._queue = None, collections.deque()
+        self.load_state_dict({**state, "codec": {}})
+        if cur is not None:
+            cur.step = self._step
+            self._current = cur
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Loads :meth:`state_dict`'s entries (the caller checked the settings)."""

@@ -166,6 +166,9 @@ class NumpyAdapter:
     def gradients_all_zero(self):
         return False
 
+    def optimizer_has_state(self):
+        return False  # plain SGD keeps none
+
     def weights(self):
         return self.params
 
@@ -183,6 +186,9 @@ class NumpyAdapter:
 
     def watch_gradients(self, ready):
         self.ready = ready
+
+    def unwatch_gradients(self):
+        self.ready = None
 
     def backward(self, step, rank, passes=1):
         """The framework's backward pass: gradients accumulate and each reports when produced."""

@@ -75,6 +75,7 @@ class PipelineLifecycle:
         at a change of the world and at exit."""
         self.options, self.comm, self.ops = options, comm, ops
         self._comm_factory = comm_factory
+        self._held: List[Any] = [None]  # the pipeline, where a finalizer can see it without holding self
         self.names = list(names)
         self._build, self._weights, self._weights_guard = build, weights, weights_guard
         self.width, self._codec_template = options.initial()
@@ -89,6 +90,14 @@ class PipelineLifecycle:
         self.switched: List[Callable[[], None]] = []  # told after the auto mode rebuilt the pipeline
 
     # ------------------------------------------------------------------------ the pipeline
+    @property
+    def pipeline(self) -> Pipeline:
+        return self._held[0]
+
+    @pipeline.setter
+    def pipeline(self, value: Pipeline) -> None:
+        self._held[0] = value
+
     @property
     def name(self) -> str:
         """The prefix of this optimizer's collective names (the same on every rank)."""

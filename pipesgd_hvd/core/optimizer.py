@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+import weakref
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 from ..comm.base import Communicator, exit_if_stuck
@@ -58,6 +59,8 @@ class TrainingAdapter(Protocol):
     def gradients_finite(self) -> bool: ...
     def gradients_all_zero(self) -> bool:
         """Every present gradient is zero (how Horovod's broadcast_optimizer_state creates state)."""
+    def optimizer_has_state(self) -> bool:
+        """The wrapped optimizer holds per-tensor state (momentum buffers, moments)."""
     def weights(self) -> List[Tensor]:
         """The tensors themselves (weight prediction writes them, inside ``weights_guard()``)."""
     def weights_guard(self) -> ContextManager[Any]: ...
@@ -68,6 +71,25 @@ class TrainingAdapter(Protocol):
     def watch_gradients(self, ready: Callable[[int], None]) -> None:
         """Make every trainable tensor report its gradient, ``ready(index)``, as soon as it is
         produced (called again after each step: tensors unfrozen since then start reporting)."""
+    def unwatch_gradients(self) -> None:
+        """Stop reporting (the optimizer is gone)."""
+
+
+def _dropped(held: List[Any], adapter: TrainingAdapter) -> None:
+    engine = held[0]
+    steps = engine.in_flight + (1 if engine.step_open else 0)
+    if steps and engine.failure is None:
+        warnings.warn(f"pipesgd_hvd: a DistributedOptimizer was dropped with {steps} step(s) in flight; their "
+                      "averaged gradients were never applied (on any rank). Call optimizer.flush() before dropping "
+                      "an optimizer")
+    adapter.unwatch_gradients()
+    engine.close(wait=False)  # the garbage collector may run this on any thread: never block it
+
+
+# Horovod's own words (horovod/torch/optimizer.py), which code written for Horovod may filter on.
+SYNCHRONIZE_THEN_STEP = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                         "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                         "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
 class OptimizerCore(PipelineLifecycle):
@@ -84,9 +106,14 @@ class OptimizerCore(PipelineLifecycle):
         self._apply_pending = False      # synchronize() wrote a gradient that step() must apply
         self._stepped = False            # a pipelined step has happened
         self.should_synchronize = True   # False inside skip_synchronize()
+        self._resume_checked = False     # the ranks compared their pipeline state since the last load
         adapter.watch_gradients(self.gradient_ready)
         # Nothing computed is lost: gradients still in flight when the interpreter exits are applied.
         call_at_exit(self, OptimizerCore.finish_at_exit)
+        # An optimizer dropped with steps in flight: every rank drops it at the same point of the
+        # program, after issuing the same reductions, so they complete on their own and are
+        # abandoned alike everywhere; say so, and stop its hooks.
+        weakref.finalize(self, _dropped, self._held, adapter).atexit = False
 
     def _engine_for(self, config: PipelineConfig, codec: Codec, *, first_step: int,
                     check_ranks: bool) -> PipelineEngine:
@@ -160,6 +187,8 @@ class OptimizerCore(PipelineLifecycle):
                 engine.add_gradient_(i, self.adapter.local_gradient(i))
         self._passes = [0] * len(self.names)
         self.adapter.watch_gradients(self.gradient_ready)
+        if not self._resume_checked:
+            self._agree_on_resumed_state()
         applied = engine.end_step(meta=self.adapter.loss_scale())
         if self.auto_controller is not None:  # at a check: flushed steps to apply; maybe a new engine
             applied = applied + self.auto_controller.after_step(engine, applied)
@@ -187,6 +216,8 @@ class OptimizerCore(PipelineLifecycle):
         optimizer's update on the averaged gradient, or nothing while the pipeline fills."""
         if self.is_state_initialization():
             return self.adapter.apply_update(closure)
+        if self.should_synchronize and self._synchronized:
+            warnings.warn(SYNCHRONIZE_THEN_STEP)
         if closure is not None and self.engine.config.width > 1:
             raise ValueError("step(closure) re-evaluates the loss, which a pipelined optimizer cannot do; "
                              "compute the loss before step(), or use width=1")
@@ -205,12 +236,40 @@ class OptimizerCore(PipelineLifecycle):
         return loss
 
     def is_state_initialization(self) -> bool:
-        """True for a step() before any training with all-zero gradients and no backward pass: how
-        ``hvd.broadcast_optimizer_state`` makes a fresh optimizer create its state. Zero gradients
-        from identical weights give identical results on every rank, so it runs locally."""
-        if self._stepped or self.engine.step_open or self.engine.step > 0:
+        """True for the step() with which ``hvd.broadcast_optimizer_state`` makes an optimizer
+        without state create it: no backward pass since the last step, every gradient zero (it
+        sets them), the wrapped optimizer's state empty (it calls step() only then). Any rank may
+        make this call alone (one that loaded a checkpoint has state and does not), and zero
+        gradients give the same result on every rank that makes it, so it runs locally."""
+        if self.engine.step_open or self._synchronized or self.adapter.optimizer_has_state():
             return False
         return self.adapter.gradients_all_zero()
+
+    def _agree_on_resumed_state(self) -> None:
+        """At the first step after construction or a load (collective; the open step has launched
+        nothing yet): the ranks compare their pipeline state. Ranks that started afresh next to
+        ranks that loaded one checkpoint (Horovod's pattern: load on rank 0, then
+        broadcast_parameters / broadcast_optimizer_state) take the loaded state: its step count and
+        its averaged in-flight gradients, so every rank applies the same; anything else is ranks
+        resumed from different checkpoints, an error on every rank."""
+        engine = self.engine
+        summaries = self.comm.allgather_object(engine.resume_summary(), f"{self.name}.resume")
+        self._resume_checked = True
+        if all(s == summaries[0] for s in summaries):
+            return
+        fresh = [r for r, (step, in_flight, _) in enumerate(summaries) if step == 0 and not in_flight]
+        loaded = [r for r in range(len(summaries)) if r not in fresh]
+        if not fresh or any(summaries[r] != summaries[loaded[0]] for r in loaded):
+            states = ", ".join(f"rank {r}: step {s}, in flight {f}" for r, (s, f, _) in enumerate(summaries))
+            raise ValueError(f"ranks resumed from different checkpoints ({states}): load the same checkpoint on "
+                             "every rank, or on one rank only before the first step (the others then take its "
+                             "pipeline state)")
+        source = loaded[0]
+        state = engine.resumable_state() if self.comm.rank == source else None
+        state = self.comm.allgather_object(state, f"{self.name}.resume.state")[source]
+        if self.comm.rank in fresh:
+            engine.adopt(state)
+        self._stepped = True
 
     def _write(self, applied: AppliedStep, unscale: bool = False) -> None:
         """The gradients of ``applied``, rescaled by the ratio of loss scales (now / when they were
@@ -287,6 +346,7 @@ class OptimizerCore(PipelineLifecycle):
         if entry is not None:
             self.load_entry(entry)
             self._stepped = self.engine.step > 0
+            self._resume_checked = False
         self._weights_predicted = self.load_prediction(None if entry is None else entry.get("prediction"))
 
     # -------------------------------------------------------------------- Horovod elastic
@@ -305,6 +365,7 @@ class OptimizerCore(PipelineLifecycle):
         self._reset_step_flags()
         super().elastic_sync(self.adapter.optimizer_state_dict, self.adapter.load_optimizer_state_dict)
         self._stepped = self.engine.step > 0
+        self._resume_checked = True  # every rank took rank 0's state
 
     def _reset_step_flags(self) -> None:
         self._synchronized = self._apply_pending = False

@@ -203,6 +203,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._core.tensors_changed([n for n, _ in named])
 
     @property
+    def _parameter_names(self) -> Dict[torch.Tensor, str]:
+        """Horovod's ``{parameter: name}``, which code written for Horovod reads."""
+        return {p: name for name, p in self._adapter.named}
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped optimizer."""
         return self._optimizer

@@ -56,6 +56,11 @@ class TorchAdapter:
             if p.requires_grad and i not in self._hooks:
                 self._hooks[i] = p.register_post_accumulate_grad_hook(_hook(callback, i))
 
+    def unwatch_gradients(self) -> None:
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+
     def has_local_gradient(self, index: int) -> bool:
         return self.params[index].grad is not None
 
@@ -87,6 +92,9 @@ class TorchAdapter:
     def gradients_all_zero(self) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
         return bool(grads) and all(not g.is_sparse and not bool(g.any()) for g in grads)
+
+    def optimizer_has_state(self) -> bool:
+        return len(self.optimizer.state) > 0
 
     def loss_scale(self) -> Optional[float]:
         return float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else None
