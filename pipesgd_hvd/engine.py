@@ -32,13 +32,16 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .comm.base import Communicator, ReduceOp
 from .compression.allreduce import Reduction, reduce_bucket
-from .compression.codecs import Codec
+from .compression.codecs import Codec, NoneCodec
 from .config import PipelineConfig, WireStats, integer, settings_entries
 from .consistency import check_pipeline_agrees, check_ranks_agree
 from .fusion import Bucket, FusionLayout, TensorSpec, plan_buckets
 from .guards import check_replicas, check_steps_agree, checksum
-from .schedule import PipelineSchedule
+from .schedule import PipelineSchedule, Seed
 from .tensor_ops import MutableTensorOps, Tensor
+
+
+_PLAIN = NoneCodec()  # the membership flags go as they are
 
 
 @dataclass
@@ -49,6 +52,7 @@ class AppliedStep:
     step: int
     grads: Dict[int, Tensor]
     meta: Any = None
+    training: Optional[List[bool]] = None  # per rank: was it training (not joined) at this step
 
 
 @dataclass
@@ -62,6 +66,8 @@ class _Step:
     reductions: List[Optional[Reduction]] = field(default_factory=list)
     grads: Optional[Dict[int, Tensor]] = None            # set once waited (or loaded)
     meta: Any = None
+    members: Optional[Reduction] = None                  # which ranks were training (see join)
+    training: Optional[List[bool]] = None
 
 
 class PipelineEngine:
@@ -184,22 +190,23 @@ class PipelineEngine:
         cur.written[b] += 1
         self._launch_ready(cur, force=False)
 
-    def end_step(self, meta: Any = None) -> List[AppliedStep]:
+    def end_step(self, meta: Any = None, joined: bool = False) -> List[AppliedStep]:
         """End the open step: launch what is left (missing gradients count as zeros), then wait for
         the steps that fall out of the pipeline and return them, oldest first (usually one; none
-        while the pipeline fills)."""
+        while the pipeline fills). ``joined``: this rank has no data left and only takes part
+        (with zeros) so that the others can go on (see :meth:`OptimizerCore.join`)."""
         self._raise_if_failed()
         cur = self._current
         if cur is None:
             raise RuntimeError("end_step() without an open step")
-        self._close(cur, meta)
+        self._close(cur, meta, joined)
         width = self.schedule.width_at(cur.step)
         applied = []
         while len(self._queue) >= width:
             applied.append(self._finish(self._queue.popleft()))
         return applied
 
-    def _close(self, cur: _Step, meta: Any) -> None:
+    def _close(self, cur: _Step, meta: Any, joined: bool = False) -> None:
         """Checks a tensor set the ranks have not agreed on yet (a collective, so here, from the
         training thread at the end of the step, never from a backward hook), launches the rest
         and queues the step."""
@@ -208,6 +215,8 @@ class PipelineEngine:
             self._checked_sets.add(cur.layout.key)
             cur.checked = True
         self._launch_ready(cur, force=True)
+        if self.comm.size > 1:
+            cur.members = self._launch_members(cur, joined)
         cur.meta = meta
         self._queue.append(cur)
         self._current = None
@@ -363,6 +372,31 @@ class PipelineEngine:
 
         return Reduction(wait)
 
+    def _launch_members(self, cur: _Step, joined: bool) -> Reduction:
+        """One tiny sum per step, after its buckets: which ranks are still training. It is what
+        lets a rank that ran out of data keep taking part with zeros until every rank has
+        (:meth:`OptimizerCore.join`, Horovod's ``hvd.join()`` semantics), at the cost of one
+        4-byte-per-rank all-reduce per step, waited for with the step. Issued by the thread that
+        issues the step's reductions, so every rank issues it in the same order among them."""
+        ops, size, rank = self.ops, self.comm.size, self.comm.rank
+        flags = ops.zeros((size,), "float32")
+        if not joined:
+            ops.fill_(flags, rank, 1, 1.0)
+        name = self.schedule.members_name(cur.layout, cur.step)
+        if self.codec.summable:
+            return reduce_bucket(ops, self.comm, _PLAIN, flags, name=name, key="members", seed=Seed(0),
+                                 op=ReduceOp.SUM)
+        comm, abort = _AbortableComm(self.comm, self._abort), self._abort
+
+        def job() -> Tuple[Tensor, int]:
+            if abort.is_set():
+                raise RuntimeError(f"{name} was not started: an earlier reduction on this rank failed")
+            return reduce_bucket(ops, comm, _PLAIN, flags, name=name, key="members", seed=Seed(0),
+                                 op=ReduceOp.SUM).wait()
+
+        future = self._comm_thread().submit(job)
+        return Reduction(future.result)
+
     def _comm_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipesgd-comm")
@@ -381,10 +415,18 @@ class PipelineEngine:
                 self.stats.bytes_sent += sent
                 for m in bucket.members:
                     grads[m.index] = self.ops.view(flat, m.offset, m.numel, m.shape)
+            if s.members is not None:
+                try:
+                    counts, _ = s.members.wait()
+                except BaseException as exc:
+                    self._fail(exc)
+                    raise
+                s.training = [bool(v > 0.5) for v in self.ops.to_numpy(counts).tolist()]
+                s.members = None
             self.stats.fp32_bytes += self.schedule.fp32_wire_bytes(s.layout, self.comm.size)
             self.stats.steps += 1
             s.grads, s.reductions = grads, []
-        return AppliedStep(s.step, s.grads, s.meta)
+        return AppliedStep(s.step, s.grads, s.meta, s.training)
 
     # ------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:

@@ -1,7 +1,8 @@
 """``import pipesgd_hvd.torch as hvd``: Horovod's PyTorch API with a pipelined DistributedOptimizer.
 
 Everything public in ``horovod.torch`` (init, rank, size, broadcast_parameters, allreduce, ...)
-is handed through unchanged; ``DistributedOptimizer`` and ``Compression`` are pipesgd_hvd's.
+is handed through unchanged; ``DistributedOptimizer``, ``Compression`` and ``join`` (uneven data
+per rank, with a pipelined optimizer) are pipesgd_hvd's.
 Importing this module does not import TensorFlow.
 """
 try:
@@ -16,8 +17,8 @@ except ImportError:  # torchrun without Horovod: the optimizer still works over 
 
 from .comm.base import PeerLostError  # noqa: E402
 from .compression import Compression  # noqa: E402
-from .frameworks.torch import DistributedOptimizer  # noqa: E402
+from .frameworks.torch import DistributedOptimizer, join  # noqa: E402,F811 (ours replaces Horovod's join)
 from .guards import ReplicaDriftError, StepCountMismatchError  # noqa: E402
 
 __all__ = ["Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
-           "StepCountMismatchError", "Sum"]
+           "StepCountMismatchError", "Sum", "join"]

@@ -41,6 +41,21 @@ def _translated(call: Callable[[], T], what: str) -> T:
         raise _lost(what, exc) from exc
 
 
+def join_async(timeout: Optional[float] = None) -> PolledHandle:
+    """Horovod's ``hvd.join()``, started without blocking: while it is pending, Horovod's own
+    collectives of the other ranks (metric all-reduces) complete with zeros from this rank, as
+    Horovod's join does, and this thread can go on taking part in the pipeline's steps (which do
+    not use Horovod's ops). ``wait()`` returns the rank that joined Horovod last."""
+    from horovod.torch import mpi_ops
+
+    output = torch.tensor(-1, dtype=torch.int)
+    handle = _translated(lambda: mpi_ops.mpi_lib.horovod_torch_join(output, -1), "join")
+    mpi_ops._handle_map[handle] = (None, output)
+    finish = lambda: int(_translated(lambda: hvd.synchronize(handle), "join").item())  # noqa: E731
+    return PolledHandle(lambda: _translated(lambda: hvd.poll(handle), "join"), finish, "join",
+                        timeout if timeout is not None else default_timeout())
+
+
 class HorovodTorchCommunicator:
     """Requires ``hvd.init()`` first, like Horovod's own optimizer."""
 

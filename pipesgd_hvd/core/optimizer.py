@@ -107,6 +107,7 @@ class OptimizerCore(PipelineLifecycle):
         self._stepped = False            # a pipelined step has happened
         self.should_synchronize = True   # False inside skip_synchronize()
         self._resume_checked = False     # the ranks compared their pipeline state since the last load
+        self._last_training: Optional[List[bool]] = None  # who trained at the latest step anyone did
         adapter.watch_gradients(self.gradient_ready)
         # Nothing computed is lost: gradients still in flight when the interpreter exits are applied.
         call_at_exit(self, OptimizerCore.finish_at_exit)
@@ -192,6 +193,7 @@ class OptimizerCore(PipelineLifecycle):
         applied = engine.end_step(meta=self.adapter.loss_scale())
         if self.auto_controller is not None:  # at a check: flushed steps to apply; maybe a new engine
             applied = applied + self.auto_controller.after_step(engine, applied)
+        self._note_training(applied)
         self._restore_real_weights()  # the gradients were computed at the prediction: update the real weights
         for early in applied[:-1]:  # only when the width shrinks: apply older steps right away
             self._write(early)
@@ -285,6 +287,7 @@ class OptimizerCore(PipelineLifecycle):
         how many steps. Collective: first checks that every rank ran the same number of steps.
         With a loss scale, gradients are unscaled here and a non-finite one is skipped."""
         in_flight = self.engine.flush(check_steps=check_steps)  # checks the ranks agree before it waits
+        self._note_training(in_flight)
         if self.prediction is not None:  # the real weights first; prediction starts afresh next step
             with self.adapter.weights_guard():
                 if self._weights_predicted:
@@ -305,6 +308,39 @@ class OptimizerCore(PipelineLifecycle):
                 applied_count += 1
         self._passes = [0] * len(self.names)
         return applied_count
+
+    def join(self, outer_join: Optional[Callable[[], Any]] = None) -> int:
+        """This rank has no data left (uneven data per rank), as ``hvd.join()`` in Horovod: apply
+        what is in flight (every rank issued those reductions), then take part in the others'
+        remaining steps with zero gradients, applying nothing, until every rank has joined; the
+        others' averages still divide by the number of ranks, as with Horovod's join. Returns the
+        rank that joined last (broadcast the model from it, as Horovod's documentation says).
+        The pipeline then refills at the next step. ``outer_join``: starts the transport's own
+        join (Horovod's, for the user's own collectives) and returns a handle waited for at the end."""
+        if self._apply_pending or self.engine.step_open:
+            raise RuntimeError("join() between backward() and step(): call step() first")
+        if self.options.check_replicas_every or self.auto_controller is not None:
+            raise ValueError("join() does not support check_replicas_every or width/compression='auto' yet: their "
+                             "checks are collectives that a joined rank does not take part in")
+        self.flush(check_steps=False)
+        pending = outer_join() if outer_join is not None else None
+        engine, active = self.engine, self.adapter.trainable()
+        while self.comm.size > 1:
+            engine.begin_step(active)
+            done = engine.end_step(joined=True) + engine.flush(check_steps=False)  # flags: who still trains
+            if not any(done[-1].training or []):
+                break
+            self._note_training(done)
+        if pending is not None:
+            pending.wait()
+        # The last to join: those training at the latest step anyone trained (the same step, hence
+        # the same answer, on every rank).
+        return max(r for r, t in enumerate(self._last_training) if t) if self._last_training else self.comm.rank
+
+    def _note_training(self, steps: Sequence[AppliedStep]) -> None:
+        for applied in steps:
+            if applied.training and any(applied.training):
+                self._last_training = applied.training
 
     # ------------------------------------------------------- staleness correction (prediction)
     def _restore_real_weights(self) -> None:

@@ -7,6 +7,8 @@ every decision (what a step applies, flush, checkpoint, auto mode, elastic) is
 """
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -28,9 +30,30 @@ from .torch_adapter import TorchAdapter
 try:  # Horovod is the default transport, but torchrun users may not have it
     import horovod.torch as _hvd
 
+    from ..comm.horovod_torch import HorovodTorchCommunicator, join_async
     from .torch_elastic import register_elastic_handler
 except ImportError:  # pragma: no cover - exercised only without Horovod
     _hvd = None
+    HorovodTorchCommunicator = type(None)  # nothing is one
+
+
+_LIVE: "weakref.WeakSet[DistributedOptimizer]" = weakref.WeakSet()  # for join(): this process's optimizers
+
+
+def join(device: int = -1) -> int:
+    """``hvd.join()`` for uneven data per rank, with the pipelined optimizer of this process
+    (:meth:`DistributedOptimizer.join`); Horovod's own join when there is none. Returns the rank
+    that joined last."""
+    gc.collect()  # optimizers dropped but not yet collected do not count
+    live = list(_LIVE)
+    if len(live) > 1:
+        raise ValueError(f"join() with {len(live)} pipelined optimizers alive: a joined rank can take part in one "
+                         "optimizer's steps only; keep one optimizer per process for uneven data")
+    if live:
+        return live[0].join()
+    if _hvd is None:
+        raise RuntimeError("join() needs Horovod or a pipelined optimizer")
+    return int(_hvd.join(device))
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -97,6 +120,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         if _hvd is not None:
             register_elastic_handler(DistributedOptimizer)
+        _LIVE.add(self)
         # torch.optim.Optimizer's own bookkeeping, which LR schedulers and step hooks rely on; the
         # parameters and state stay the wrapped optimizer's (see the properties below).
         self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
@@ -149,6 +173,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         with self._core.real_weights():
             yield
+
+    def join(self) -> int:
+        """Uneven data per rank: call it where Horovod's code calls ``hvd.join()``, once this rank
+        has no batches left (``pipesgd_hvd.torch.join()`` does it for the process's optimizer).
+        Applies what is in flight, then takes part with zeros in the other ranks' remaining steps
+        until every rank has joined (their averages divide by the number of ranks, as with
+        Horovod's join); Horovod's own join runs meanwhile, so the others' ``hvd.allreduce``
+        calls complete too. Returns the rank that joined last: broadcast the model from it."""
+        outer = None
+        if _hvd is not None and _hvd.is_initialized() and not isinstance(self._core.comm, HorovodTorchCommunicator):
+            outer = join_async
+        elif isinstance(self._core.comm, HorovodTorchCommunicator) and not self._core.engine.codec.summable:
+            raise ValueError("join() with communicator='horovod' and a byte codec: Horovod's join supports only "
+                             "all-reduce; use the default communicator (the pipeline's channel)")
+        return self._core.join(outer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
