@@ -267,3 +267,34 @@ def test_error_feedback_updates_the_residual_in_place():
     before = held.clone()
     codec.encode(ops, x, key="k", seed=1)
     assert codec.residual("k") is held and not torch.equal(held, before)
+
+
+def float16_inputs() -> np.ndarray:
+    """Every float16 value, the float32 midpoints between neighbours (rounding ties) and one
+    float32 ulp either side of them, past-the-maximum values, and random float32 bits."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = np.sort(np.unique(halves[np.isfinite(halves)].astype(np.float32)))
+    mids = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
+    big = np.array([65504.0, 65519.99, 65520.0, 65536.0, 1e9, F32.max], np.float32)
+    rand = np.random.default_rng(1).integers(0, 1 << 32, 50000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.concatenate([halves.astype(np.float32), mids, near, big, -big, rand])
+
+
+def test_float16_portable_conversion_equals_f16c_and_the_reference():
+    """Kind.FP16 uses F16C where the CPU has it; Kind.FP16_SOFT is the bit manipulation used
+    where it does not. Both must round like the reference cast, NaNs aside."""
+    ops, ref = NumpyOps(), NumpyOps(fused=False)
+    x = float16_inputs().reshape(1, -1)
+    expected = as_numpy(ref, Cast("float16").encode(ref, x, key="k", seed=0)[0])
+    for kind in (kernels.Kind.FP16, kernels.Kind.FP16_SOFT):
+        payload = kernels.cast_encode(ops, x, kind)
+        assert np.array_equal(comparable_bytes(Cast("float16"), payload, x), comparable_bytes(Cast("float16"), expected, x)), kind
+        assert np.all(np.isnan(payload.view(np.float16)[np.isnan(x)])), kind
+    every_half = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.uint8).reshape(1, -1)
+    decoded_ref = as_numpy(ref, Cast("float16").decode(ref, every_half, 1 << 16))
+    for kind in (kernels.Kind.FP16, kernels.Kind.FP16_SOFT):
+        assert_same_floats(kernels.decode(ops, every_half, kind, cols=1 << 16), decoded_ref, f"{kind} decode")
+        two = np.concatenate([every_half, every_half[:, ::-1]])
+        expected_sum = (np.float32(0) + as_numpy(ref, Cast("float16").decode(ref, two, 1 << 16))).sum(axis=0, dtype=np.float32)
+        assert_same_floats(kernels.decode_sum(ops, two, kind, cols=1 << 16, scale=1.0)[0], expected_sum, f"{kind} sum")

@@ -19,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 /* One clone per instruction set, picked at load time by the dynamic linker (GCC/clang ifunc):
  * the wheel stays portable and a current CPU still gets 8- or 16-wide division and rounding. */
@@ -151,8 +154,10 @@ HOT static void dequantize(const uint8_t *codes, float *out, int64_t n, int bits
  * Casts (float16 / bfloat16) and truncation (upper 2 or 3 bytes of each float32).
  * -------------------------------------------------------------------------------------------- */
 
-/* numbered as pipesgd_hvd.compression.kernels.Kind (QUANTIZE = -1) */
-enum { KIND_FP16 = 0, KIND_BF16 = 1, KIND_TRUNC16 = 2, KIND_TRUNC24 = 3 };
+/* numbered as pipesgd_hvd.compression.kernels.Kind (QUANTIZE = -1). KIND_FP16_SOFT is float16
+ * through the portable bit manipulation below, which KIND_FP16 uses only on CPUs without F16C:
+ * a kind of its own so that the tests check it on every machine. */
+enum { KIND_FP16 = 0, KIND_BF16 = 1, KIND_TRUNC16 = 2, KIND_TRUNC24 = 3, KIND_FP16_SOFT = 4 };
 
 /* float32 -> IEEE half, round to nearest even; overflow to inf, NaN stays NaN (quiet). */
 static inline uint16_t f32_to_f16(float v) {
@@ -187,8 +192,35 @@ static inline uint16_t f32_to_bf16(float v) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* F16C converts 8 values per instruction with the same IEEE rounding (to nearest even, overflow
+ * to inf, subnormals exact); the portable loop above does not vectorize (it branches). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_F16C_PATH 1
+static int cpu_has_f16c;
+
+__attribute__((target("avx,f16c"))) static void fp16_encode_f16c(const float *x, uint16_t *o, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(o + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; j < n; j++) o[j] = f32_to_f16(x[j]);
+}
+
+__attribute__((target("avx,f16c"))) static void fp16_decode_f16c(const uint16_t *h, float *out, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+    for (; j < n; j++) out[j] = f16_to_f32(h[j]);
+}
+#endif
+
 HOT static void cast_encode(const float *x, uint8_t *out, int64_t n, int kind) {
-    if (kind == KIND_FP16) {
+#ifdef HAVE_F16C_PATH
+    if (kind == KIND_FP16 && cpu_has_f16c) {
+        fp16_encode_f16c(x, (uint16_t *)out, n);
+        return;
+    }
+#endif
+    if (kind == KIND_FP16 || kind == KIND_FP16_SOFT) {
         uint16_t *o = (uint16_t *)out;
         for (int64_t j = 0; j < n; j++) o[j] = f32_to_f16(x[j]);
     } else if (kind == KIND_BF16) {
@@ -215,7 +247,13 @@ HOT static void cast_encode(const float *x, uint8_t *out, int64_t n, int kind) {
 
 HOT static void cast_decode(const uint8_t *in, float *out, int64_t n, int kind) {
     const uint16_t *h = (const uint16_t *)in;
-    if (kind == KIND_FP16) {
+#ifdef HAVE_F16C_PATH
+    if (kind == KIND_FP16 && cpu_has_f16c) {
+        fp16_decode_f16c(h, out, n);
+        return;
+    }
+#endif
+    if (kind == KIND_FP16 || kind == KIND_FP16_SOFT) {
         for (int64_t j = 0; j < n; j++) out[j] = f16_to_f32(h[j]);
     } else if (kind == KIND_BF16 || kind == KIND_TRUNC16) {
         for (int64_t j = 0; j < n; j++) out[j] = bits_f32((uint32_t)h[j] << 16);
@@ -240,7 +278,7 @@ typedef struct {
 
 static int64_t bytes_per_value_x2(const Layout *L) { /* twice the bytes per value */
     if (L->kind < 0) return L->bits == 8 ? 2 : 1;
-    return L->kind == KIND_TRUNC24 ? 6 : 4;
+    return L->kind == KIND_TRUNC24 ? 6 : 4; /* 16-bit kinds: 2 bytes */
 }
 
 /* Decode values [start, start + n) of one payload row into out (n within one block for Quantize). */
@@ -316,7 +354,7 @@ static int make_layout(Layout *L, int kind, int bits, Py_ssize_t cols, Py_ssize_
         }
         L->row_bytes = 4 * (cols / width) + (bits == 8 ? cols : cols / 2);
     } else {
-        if (kind > KIND_TRUNC24) { PyErr_SetString(PyExc_ValueError, "unknown cast kind"); return -1; }
+        if (kind > KIND_FP16_SOFT) { PyErr_SetString(PyExc_ValueError, "unknown cast kind"); return -1; }
         L->row_bytes = cols * bytes_per_value_x2(L) / 2;
     }
     return 0;
@@ -378,7 +416,7 @@ static PyObject *py_cast_encode(PyObject *self, PyObject *args) {
     unsigned long long x, out;
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "iKnK", &kind, &x, &n, &out)) return NULL;
-    if (kind < KIND_FP16 || kind > KIND_TRUNC24) { PyErr_SetString(PyExc_ValueError, "unknown cast kind"); return NULL; }
+    if (kind < KIND_FP16 || kind > KIND_FP16_SOFT) { PyErr_SetString(PyExc_ValueError, "unknown cast kind"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
     cast_encode(PTR(const float, x), PTR(uint8_t, out), n, kind);
     Py_END_ALLOW_THREADS
@@ -398,5 +436,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
                                     "Fused host kernels of pipesgd_hvd's byte codecs.", -1, methods};
 
 PyMODINIT_FUNC PyInit__kernels(void) {
+#ifdef HAVE_F16C_PATH
+    __builtin_cpu_init();
+    cpu_has_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+#endif
     return PyModule_Create(&module);
 }

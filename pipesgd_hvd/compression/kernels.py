@@ -37,10 +37,11 @@ class Kind(enum.IntEnum):
     BF16 = 1
     TRUNC16 = 2
     TRUNC24 = 3
+    FP16_SOFT = 4  # float16 by the portable conversion (FP16 uses F16C where the CPU has it)
 
 
 # bytes per value of each cast/truncation layout; the alignment their payload rows need
-_CAST_BYTES = {Kind.FP16: 2, Kind.BF16: 2, Kind.TRUNC16: 2, Kind.TRUNC24: 3}
+_CAST_BYTES = {Kind.FP16: 2, Kind.BF16: 2, Kind.TRUNC16: 2, Kind.TRUNC24: 3, Kind.FP16_SOFT: 2}
 _ALIGN = {"float32": 4, "uint8": 1}
 
 
@@ -129,7 +130,7 @@ def _payload_address(ops: TensorOps, payload: Tensor, kind: Kind, cols: int, wid
         return None
     rows = ops.shape(payload)[0]
     # 16-bit layouts are read as uint16: their rows (2 * cols bytes) must start on even addresses
-    align = 2 if kind in (Kind.FP16, Kind.BF16, Kind.TRUNC16) else 1
+    align = 2 if _CAST_BYTES.get(kind) == 2 else 1
     return _address(ops, payload, "uint8", (rows, row_bytes(kind, cols, width, bits)), align)
 
 
