@@ -298,3 +298,12 @@ def test_float16_portable_conversion_equals_f16c_and_the_reference():
         two = np.concatenate([every_half, every_half[:, ::-1]])
         expected_sum = (np.float32(0) + as_numpy(ref, Cast("float16").decode(ref, two, 1 << 16))).sum(axis=0, dtype=np.float32)
         assert_same_floats(kernels.decode_sum(ops, two, kind, cols=1 << 16, scale=1.0)[0], expected_sum, f"{kind} sum")
+
+
+def test_without_the_kernels_codecs_warn_and_run_the_reference(monkeypatch):
+    monkeypatch.setattr(kernels, "_native", None)
+    x = torch.from_numpy(make_rows(2, 1024, 512, seed=4, special=False))
+    with pytest.warns(RuntimeWarning, match="fused codec kernels are not"):
+        payload, ctx = Quantize(8).encode(TorchOps(), x, key="k", seed=0)
+    reference, _ = Quantize(8).encode(TorchOps(fused=False), x, key="k", seed=0)
+    assert torch.equal(payload, reference)

@@ -16,6 +16,8 @@ tensor-op composition, which is the reference the kernels are tested against bit
 from __future__ import annotations
 
 import enum
+import warnings
+from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from ..tensor_ops import Shape, Tensor, TensorOps
@@ -25,8 +27,12 @@ try:
     UNAVAILABLE: Optional[str] = None
 except ImportError as exc:  # no compiler at install time: the codecs run the tensor-op reference
     _native = None
-    UNAVAILABLE = (f"pipesgd_hvd.compression._kernels is not built ({exc}); build it with "
-                   "`pip install --no-build-isolation -e .` or `python setup.py build_ext --inplace`")
+    # A missing module reads as a "circular import" here; only a file that fails to load says more.
+    built = list(Path(__file__).parent.glob("_kernels.*"))
+    UNAVAILABLE = ("pipesgd_hvd's fused codec kernels (compression/_kernels.c) are not "
+                   + (f"loadable ({exc})" if any(p.suffix != ".c" for p in built) else "built")
+                   + ", so host codecs run their unfused tensor ops (several times slower): build them "
+                   "with `pip install --no-build-isolation -e .` or `python setup.py build_ext --inplace`")
 
 
 class Kind(enum.IntEnum):
@@ -50,9 +56,20 @@ def available() -> bool:
     return _native is not None
 
 
+def _usable(ops: TensorOps, x: Tensor) -> bool:
+    """Whether the table offers ``x`` to the kernels and they are built (warns once if not)."""
+    if ops.kernel_address(x) is None:
+        return False
+    if _native is None:
+        warnings.warn(UNAVAILABLE or "pipesgd_hvd's fused codec kernels are not loaded: host codecs run "
+                      "their unfused tensor ops", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
 def accepts(ops: TensorOps, x: Tensor) -> bool:
     """Whether the kernels can encode ``x`` (a host float32 tensor of a table that allows them)."""
-    return _native is not None and ops.dtype_name(x) == "float32" and ops.kernel_address(x) is not None
+    return ops.dtype_name(x) == "float32" and _usable(ops, x)
 
 
 def row_bytes(kind: Kind, cols: int, width: int, bits: int) -> int:
@@ -73,7 +90,7 @@ def _address(ops: TensorOps, x: Tensor, dtype: str, shape: Shape, align: int = 0
 
 def _addresses(ops: TensorOps, specs: Sequence[Tuple[Optional[Tensor], str, Shape]]) -> Optional[List[int]]:
     """Addresses of every given tensor (0 for None), or None if any of them cannot be used."""
-    if _native is None:
+    if not specs or specs[0][0] is None or not _usable(ops, specs[0][0]):
         return None
     out = []
     for x, dtype, shape in specs:
@@ -126,7 +143,7 @@ def cast_encode(ops: TensorOps, x: Tensor, kind: Kind) -> Optional[Tensor]:
 
 def _payload_address(ops: TensorOps, payload: Tensor, kind: Kind, cols: int, width: int,
                      bits: int) -> Optional[int]:
-    if _native is None or len(ops.shape(payload)) != 2:
+    if len(ops.shape(payload)) != 2 or not _usable(ops, payload):
         return None
     rows = ops.shape(payload)[0]
     # 16-bit layouts are read as uint16: their rows (2 * cols bytes) must start on even addresses
