@@ -89,7 +89,8 @@ class _TimedComm(_Timed):
 def profile(codec_name: str, ranks: int, numel: int, repeats: int, fused: bool,
             progress: Callable[[str], None] = lambda _: None) -> Dict[str, float]:
     """Median CPU seconds per phase of rank 0 over ``repeats`` all-reduces (after one warm-up),
-    plus ``total`` (the whole call) and ``rest`` (total minus every named phase)."""
+    plus ``total`` (the whole call), ``rest`` (total minus every named phase) and ``copy`` (a
+    plain copy of the bucket, timed by rank 0 right before each all-reduce; not in the total)."""
     ops = TorchOps(fused=fused)
     clock = PhaseClock()
     world = LocalWorld(ranks, ops, timeout=600)
@@ -97,17 +98,22 @@ def profile(codec_name: str, ranks: int, numel: int, repeats: int, fused: bool,
     codecs = [_Timed(resolve_compression(codec_name), clock,
                      lambda attr: f"codec.{attr}" if attr in CODEC_METHODS else None) for _ in range(ranks)]
     inputs = [torch.randn(numel) for _ in range(ranks)]
+    copy_dst = torch.empty(numel)
     samples: List[Dict[str, float]] = []
 
     def rank_main(rank: int) -> None:
         comm = _TimedComm(world.communicator(rank), clock, lambda _: None)
         for step in range(repeats + 1):
+            start = time.thread_time()
+            if rank == 0:
+                copy_dst.copy_(inputs[0])
+            copied = time.thread_time() - start
             clock.totals().clear()
             start = time.thread_time()
             compressed_allreduce(timed_ops, comm, codecs[rank], inputs[rank], name=f"s{step}", key="b0", seed=step)
             spent = dict(clock.totals(), total=time.thread_time() - start)
             if rank == 0 and step > 0:
-                samples.append(spent)
+                samples.append(dict(spent, copy=copied))
                 progress(f"{codec_name} {'fused' if fused else 'reference'} {ranks} rank(s): {step}/{repeats}")
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
@@ -119,7 +125,7 @@ def profile(codec_name: str, ranks: int, numel: int, repeats: int, fused: bool,
         raise RuntimeError("a rank failed; see the traceback above")
     names = sorted({k for s in samples for k in s})
     out = {k: statistics.median(s.get(k, 0.0) for s in samples) for k in names}
-    out["rest"] = max(0.0, out["total"] - sum(v for k, v in out.items() if k != "total"))
+    out["rest"] = max(0.0, out["total"] - sum(v for k, v in out.items() if k not in ("total", "copy")))
     return out
 
 
