@@ -4,12 +4,18 @@ memory limit); then where a rank's CPU goes in one compressed all-reduce. Writes
 "codec_speed" section of docs/benchmarks.md.
 
     OMP_NUM_THREADS=1 python -m benchmarks.codec_speed [--repeats 7] [--mib 16 64] [--no-write]
+
+The codec timings run in two worker processes: one with glibc's default allocator settings and
+one where freed memory stays mapped (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), to
+tell the kernels' own speed from the page faults of the new tensors every codec returns.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -30,6 +36,14 @@ CODECS: Dict[str, Callable[[], Codec]] = {
 }
 PATHS = {"fused": TorchOps(), "reference": TorchOps(fused=False)}
 ALLREDUCE_CODECS = {"int8": "int8+EF", "int4": "int4+EF", "fp16": "fp16"}  # resolve_compression names
+# glibc maps every allocation above its mmap threshold (dynamic, 32 MiB at most) afresh and gives
+# freed heap tops back to the OS: each new large tensor is then page-faulted again.
+MALLOC_MODES = {
+    "default malloc": {},
+    "freed memory kept": {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31)},
+}
+MARKER = "CODEC_SPEED_RESULT "
+Results = Dict[int, Dict[Tuple[str, str], Dict[str, float]]]
 
 
 def log(message: str) -> None:
@@ -69,27 +83,92 @@ def codec_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str, flo
     return out
 
 
-def codec_table(results: Dict[int, Dict[Tuple[str, str], Dict[str, float]]]) -> str:
-    sizes = sorted(results)
-    header = ["codec", "path"] + [f"{label} at {numel * 4 / 2 ** 20:.0f} MiB" for numel in sizes
-                                  for label in ("encode+decode x copies", "GB/s")]
-    rows = []
-    for name in CODECS:
-        for path in PATHS:
-            row = [name, path]
-            for numel in sizes:
-                t = results[numel][name, path]
-                both = t["encode"] + t["decode"]
-                row += [f"{both / t['copy']:.2f} ({t['encode'] / t['copy']:.2f} + {t['decode'] / t['copy']:.2f})",
-                        f"{numel * 4 / both / 1e9:.1f}"]
-            rows.append(row)
-    row = ["plain copy into a new tensor (`x.clone()`)", "-"]
-    for numel in sizes:
-        t = results[numel]["clone", "-"]
-        row += [f"{t['clone'] / t['copy']:.2f}", f"{numel * 4 / t['clone'] / 1e9:.1f}"]
+def tensorflow_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str, float]]:
+    """The same codecs on TensorFlow, inside ``tf.function`` (graph tensors have no address, so
+    TensorFlow runs the tensor-op composition), each next to a PyTorch copy of the same bytes."""
+    import tensorflow as tf
+
+    from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    ops = TensorFlowOps()
+    x_torch = torch.randn(1, numel)
+    copy_dst = torch.empty_like(x_torch)
+    x = tf.constant(x_torch.numpy())
+    out: Dict[Tuple[str, str], Dict[str, float]] = {}
+    for name, make in CODECS.items():
+        codec = make()
+        cols = numel
+        encode = tf.function(lambda t: codec.encode(ops, t, key="b", seed=0)[0])
+        decode = tf.function(lambda p: codec.decode(ops, p, cols))
+        decode(encode(x))  # trace both (and create the residual variable)
+        times: Dict[str, List[float]] = {"encode": [], "decode": [], "copy": []}
+        for _ in range(repeats):
+            got: Dict[str, object] = {}
+            times["copy"].append(seconds(lambda: copy_dst.copy_(x_torch)))
+            times["encode"].append(seconds(lambda: got.update(p=encode(x).numpy())))
+            payload = tf.constant(got["p"])
+            times["decode"].append(seconds(lambda: decode(payload).numpy()))
+        out[name, "TensorFlow (tf.function)"] = {k: statistics.median(v) for k, v in times.items()}
+        log(f"TensorFlow {name}: done")
+    return out
+
+
+def codec_table(by_mode: Dict[str, Results]) -> str:
+    """One row per codec and path; per size, encode+decode in plain copies under each allocator
+    setting (encode + decode in brackets), and GB/s with freed memory kept."""
     from benchmarks.report import table
 
-    return table(header, rows + [row])
+    modes = list(by_mode)
+    sizes = sorted(by_mode[modes[0]])
+    header = ["codec", "path"]
+    for numel in sizes:
+        header += [f"x copies, {mode}, {numel * 4 / 2 ** 20:.0f} MiB" for mode in modes]
+        header.append(f"GB/s, {modes[-1]}, {numel * 4 / 2 ** 20:.0f} MiB")
+    cases = list(dict.fromkeys(case for numel in sizes for case in by_mode[modes[0]][numel]))
+    rows = []
+    for name, path in cases:
+        row = [name if path != "-" else "plain copy into a new tensor (`x.clone()`)", path]
+        for numel in sizes:
+            for mode in modes:
+                t = by_mode[mode][numel].get((name, path))
+                if t is None:
+                    row.append("-")
+                elif path == "-":
+                    row.append(f"{t['clone'] / t['copy']:.2f}")
+                else:
+                    both = t["encode"] + t["decode"]
+                    row.append(f"{both / t['copy']:.2f} ({t['encode'] / t['copy']:.2f} + {t['decode'] / t['copy']:.2f})")
+            t = by_mode[modes[-1]][numel].get((name, path))
+            row.append("-" if t is None else f"{numel * 4 / (t['clone'] if path == '-' else t['encode'] + t['decode']) / 1e9:.1f}")
+        rows.append(row)
+    return table(header, rows)
+
+
+def run_worker(args: argparse.Namespace, extra_env: Dict[str, str]) -> Results:
+    """The codec timings in a fresh process with ``extra_env`` (the allocator settings)."""
+    cmd = [sys.executable, "-m", "benchmarks.codec_speed", "--worker", "--repeats", str(args.repeats),
+           "--max-quiet-wait", str(args.max_quiet_wait), "--mib", *map(str, args.mib)]
+    cmd += ["--tensorflow"] if args.tensorflow else []
+    proc = subprocess.run(cmd, env=dict(os.environ, **extra_env), stdout=subprocess.PIPE, text=True, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(MARKER))
+    raw = json.loads(line[len(MARKER):])
+    return {int(numel): {tuple(case.split("|")): t for case, t in cases.items()}  # type: ignore[misc]
+            for numel, cases in raw.items()}
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    results: Results = {}
+    for mib in args.mib:
+        quiet(args.max_quiet_wait)
+        results[mib * 2 ** 18] = codec_times(mib * 2 ** 18, args.repeats)
+    if args.tensorflow:
+        quiet(args.max_quiet_wait)
+        results[min(results)].update(tensorflow_times(min(results), args.repeats))
+    raw = {str(numel): {"|".join(case): t for case, t in cases.items()} for numel, cases in results.items()}
+    print(MARKER + json.dumps(raw), flush=True)
 
 
 def allreduce_rows(numel: int, ranks: List[int], repeats: int, max_wait: float) -> List[List[str]]:
@@ -125,19 +204,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-quiet-wait", type=float, default=60.0,
                         help="seconds to wait for an idle core before each measurement")
+    parser.add_argument("--tensorflow", action="store_true",
+                        help="also TensorFlow inside tf.function (the unfused composition), smallest size only")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 7:
         parser.error("--repeats must be >= 7 (medians of fewer runs are too noisy on a shared machine)")
     if not kernels.available():
         raise SystemExit(kernels.UNAVAILABLE)
+    if args.worker:
+        worker(args)
+        return
     torch.set_num_threads(1)
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     load_before = os.getloadavg()
-    results = {}
-    for mib in args.mib:
-        quiet(args.max_quiet_wait)
-        results[mib * 2 ** 18] = codec_times(mib * 2 ** 18, args.repeats)
+    by_mode = {mode: run_worker(args, env) for mode, env in MALLOC_MODES.items()}
     numel = int(args.allreduce_mb * 1e6) // 4
     breakdown = allreduce_rows(numel, args.ranks, args.repeats, args.max_quiet_wait)
     load = f"load average {load_before[0]:.1f} before the run, {os.getloadavg()[0]:.1f} after"
@@ -149,10 +231,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         "`fused` runs the kernels of `pipesgd_hvd/compression/_kernels.c`, `reference` the unfused "
         "tensor-op composition (a table built with `fused=False`); both give the same bytes "
         "(tests/test_codec_kernels.py). `+EF`: with error feedback, after a first step (a residual "
-        "is held). GB/s: float32 bytes in, over encode + decode. The last row is the price of a new "
-        "output: above glibc's mmap threshold (32 MiB at most) every new tensor is mapped afresh and "
-        "page-faulted, which the decodes pay too (they return new tensors).\n\n"
-        + codec_table(results)
+        "is held). GB/s: float32 bytes in, over encode + decode. Every encode and decode returns new "
+        "tensors; with glibc's default settings a large one is often mapped afresh and page-faulted "
+        "(the last row prices that for a plain copy), so the codecs also ran in a process where freed "
+        "memory stays mapped (`MALLOC_MMAP_THRESHOLD_=2^30 MALLOC_TRIM_THRESHOLD_=2^31`): that column "
+        "is the kernels' own speed."
+        + (" `TensorFlow (tf.function)`: the same codecs traced by TensorFlow (one thread), which "
+           "keeps the unfused composition (a graph tensor has no address for the kernels)."
+           if args.tensorflow else "") + "\n\n"
+        + codec_table(by_mode)
         + f"\n\n### CPU of one compressed all-reduce\n\n`benchmarks/allreduce_cpu.py`: `compressed_allreduce` "
         f"of a {numel * 4 / 1e6:.1f} MB float32 bucket ({numel} values, so rows are padded) on the "
         "in-process LocalWorld, ranks as threads; CPU time of rank 0 (its thread's clock, so waiting "

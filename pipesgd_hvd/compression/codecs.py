@@ -65,9 +65,9 @@ class Codec(abc.ABC):
     def decode_sum(self, ops: TensorOps, payload: Tensor, ctx: Any, scale: float = 1.0) -> Tensor:
         """Decode byte rows ``[N, nbytes]`` and sum them in float32 -> ``[1, cols]``, times
         ``scale`` unless it is 1: the reduce step of the compressed all-reduce. The fused kernels
-        add in rank order starting from +0, as numpy's sum does (PyTorch's too, except for rows
-        shorter than a vector with N >= 5); any order gives every rank the same bits, since each
-        chunk is summed by its owner alone."""
+        add in rank order starting from +0, as numpy's sum does (PyTorch's sum agrees except on
+        very short rows, which it adds in another order); either way every rank gets the same
+        bits, since each chunk is summed by its owner alone and then sent to all."""
         total = ops.sum(self.decode(ops, payload, ctx), axis=0, keepdims=True)
         return total * scale if scale != 1.0 else total
 
