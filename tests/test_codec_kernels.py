@@ -9,7 +9,7 @@ scale is NaN (unspecified: the block decodes as NaN whatever they are) and the b
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List
 
 import numpy as np
 import pytest
@@ -37,7 +37,6 @@ CODECS: Dict[str, Callable[[], Codec]] = {
     "fp16": lambda: Cast("float16"), "bf16": lambda: Cast("bfloat16"),
     "truncate16": lambda: Truncate(16), "truncate24": lambda: Truncate(24),
 }
-QUANTIZERS = [n for n in CODECS if n.startswith("int")]
 F32 = np.finfo(np.float32)
 
 
