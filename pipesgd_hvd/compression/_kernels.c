@@ -31,6 +31,13 @@
 #else
 #define HOT
 #endif
+/* Helpers are inlined into the HOT drivers, so each clone compiles their loops for its own
+ * instruction set and no call is made per block. */
+#if defined(__GNUC__)
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define INLINE static inline
+#endif
 
 #define F32_ABS_MASK 0x7FFFFFFFu
 #define F32_INF_BITS 0x7F800000u
@@ -59,7 +66,7 @@ static inline float floor_small(float v) { /* floor for |v| < 2^22, the same way
  * -------------------------------------------------------------------------------------------- */
 
 /* max |y| of a block as float bits; >= F32_INF_BITS when an inf or NaN is there. */
-HOT static uint32_t block_amax_bits(const float *y, int64_t n) {
+INLINE uint32_t block_amax_bits(const float *y, int64_t n) {
     uint32_t m = 0;
     for (int64_t j = 0; j < n; j++) {
         uint32_t u = f32_bits(y[j]) & F32_ABS_MASK;
@@ -68,15 +75,23 @@ HOT static uint32_t block_amax_bits(const float *y, int64_t n) {
     return m;
 }
 
-/* y = x + r (the residual-corrected gradient), exactly the reference's ``x + residual``. */
-HOT static void add_rows(const float *x, const float *r, float *y, int64_t n) {
-    for (int64_t j = 0; j < n; j++) y[j] = x[j] + r[j];
+/* y = x + r (the residual-corrected gradient, exactly the reference's ``x + residual``) and its
+ * block_amax_bits, in one loop. */
+INLINE uint32_t add_amax_bits(const float *x, const float *r, float *y, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = x[j] + r[j];
+        uint32_t u = f32_bits(v) & F32_ABS_MASK;
+        y[j] = v;
+        m = u > m ? u : m;
+    }
+    return m;
 }
 
 /* Codes of one finite block, and the new residual ``y - dequant(code)`` when r_out is set.
  * Same operations, in the same order, as TensorOps.to_levels / from_levels:
  * code = clip(round(y / safe * L) + off), dequant = (code - off) / L * scale. */
-HOT static void quantize_block(const float *y, const float *noise, uint8_t *codes, float *r_out,
+INLINE void quantize_block(const float *y, const float *noise, uint8_t *codes, float *r_out,
                                int64_t n, float safe, float scale, float levels, float offset) {
     const float lo = offset - levels, hi = offset + levels;
     for (int64_t j = 0; j < n; j++) {
@@ -92,11 +107,11 @@ HOT static void quantize_block(const float *y, const float *noise, uint8_t *code
 }
 
 /* Two codes per byte, even index in the low nibble (codes[2i] + 16 codes[2i+1]). */
-HOT static void pack_nibbles(const uint8_t *codes, uint8_t *out, int64_t n) {
+INLINE void pack_nibbles(const uint8_t *codes, uint8_t *out, int64_t n) {
     for (int64_t i = 0; i < n / 2; i++) out[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
-static int quantize_encode(const float *x, const float *r_in, float *r_out, const float *noise,
+HOT static int quantize_encode(const float *x, const float *r_in, float *r_out, const float *noise,
                            uint8_t *payload, int64_t rows, int64_t cols, int64_t width, int bits) {
     const int64_t nblocks = cols / width;
     const int64_t code_bytes = bits == 8 ? cols : cols / 2;
@@ -112,10 +127,15 @@ static int quantize_encode(const float *x, const float *r_in, float *r_out, cons
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t at = row * cols + b * width;
             const float *y = x + at;
-            if (r_in) { add_rows(y, r_in + at, ybuf, width); y = ybuf; }
+            uint32_t amax;
+            if (r_in) {
+                amax = add_amax_bits(y, r_in + at, ybuf, width);
+                y = ybuf;
+            } else {
+                amax = block_amax_bits(y, width);
+            }
             uint8_t *codes = bits == 8 ? prow + 4 * nblocks + b * width : cbuf;
             float *res = r_out ? r_out + at : NULL;
-            uint32_t amax = block_amax_bits(y, width);
             if (amax >= F32_INF_BITS) {
                 /* Non-finite block: NaN scale (decodes as all-NaN), residual 0 (the reference's
                  * NaN error dropped by finite_or_zero); the codes are unspecified: 0. */
@@ -138,7 +158,7 @@ static int quantize_encode(const float *x, const float *r_in, float *r_out, cons
 }
 
 /* (code - off) / L * scale for n codes; at 4 bits, n values from n/2 bytes. */
-HOT static void dequantize(const uint8_t *codes, float *out, int64_t n, int bits, float scale) {
+INLINE void dequantize(const uint8_t *codes, float *out, int64_t n, int bits, float scale) {
     const float levels = (float)((1 << (bits - 1)) - 1), offset = levels + 1.0f;
     if (bits == 8) {
         for (int64_t j = 0; j < n; j++) out[j] = ((float)codes[j] - offset) / levels * scale;
@@ -245,7 +265,7 @@ HOT static void cast_encode(const float *x, uint8_t *out, int64_t n, int kind) {
     }
 }
 
-HOT static void cast_decode(const uint8_t *in, float *out, int64_t n, int kind) {
+INLINE void cast_decode(const uint8_t *in, float *out, int64_t n, int kind) {
     const uint16_t *h = (const uint16_t *)in;
 #ifdef HAVE_F16C_PATH
     if (kind == KIND_FP16 && cpu_has_f16c) {
@@ -276,13 +296,13 @@ typedef struct {
     int64_t row_bytes;
 } Layout;
 
-static int64_t bytes_per_value_x2(const Layout *L) { /* twice the bytes per value */
+INLINE int64_t bytes_per_value_x2(const Layout *L) { /* twice the bytes per value */
     if (L->kind < 0) return L->bits == 8 ? 2 : 1;
     return L->kind == KIND_TRUNC24 ? 6 : 4; /* 16-bit kinds: 2 bytes */
 }
 
 /* Decode values [start, start + n) of one payload row into out (n within one block for Quantize). */
-static void decode_span(const Layout *L, const uint8_t *row, int64_t start, int64_t n, float *out) {
+INLINE void decode_span(const Layout *L, const uint8_t *row, int64_t start, int64_t n, float *out) {
     if (L->kind < 0) {
         int64_t nblocks = L->cols / L->width;
         float scale;
@@ -294,24 +314,24 @@ static void decode_span(const Layout *L, const uint8_t *row, int64_t start, int6
     }
 }
 
-HOT static void add_into(float *acc, const float *v, int64_t n) {
+INLINE void add_into(float *acc, const float *v, int64_t n) {
     for (int64_t j = 0; j < n; j++) acc[j] = acc[j] + v[j];
 }
 
-HOT static void zero_plus(float *acc, int64_t n) { /* 0 + v: the sum starts at +0, as torch's does */
+INLINE void zero_plus(float *acc, int64_t n) { /* 0 + v: the sum starts at +0, as torch's does */
     for (int64_t j = 0; j < n; j++) acc[j] = 0.0f + acc[j];
 }
 
-HOT static void scale_by(float *acc, float s, int64_t n) {
+INLINE void scale_by(float *acc, float s, int64_t n) {
     for (int64_t j = 0; j < n; j++) acc[j] = acc[j] * s;
 }
 
 /* The span of values decoded per step: one block for Quantize (its scale), else a chunk. */
-static int64_t step_len(const Layout *L) {
+INLINE int64_t step_len(const Layout *L) {
     return L->kind < 0 ? L->width : DECODE_CHUNK;
 }
 
-static void decode_rows(const Layout *L, const uint8_t *payload, int64_t rows, float *out) {
+HOT static void decode_rows(const Layout *L, const uint8_t *payload, int64_t rows, float *out) {
     const int64_t step = step_len(L);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t s = 0; s < L->cols; s += step) {
@@ -322,7 +342,7 @@ static void decode_rows(const Layout *L, const uint8_t *payload, int64_t rows, f
 
 /* out[j] = ((0 + row0[j]) + row1[j]) + ... (rank order), then * scale unless scale == 1: the
  * same bits on every rank and for every call, whatever the row count. */
-static int decode_sum_rows(const Layout *L, const uint8_t *payload, int64_t rows, float *out, float scale) {
+HOT static int decode_sum_rows(const Layout *L, const uint8_t *payload, int64_t rows, float *out, float scale) {
     const int64_t step = step_len(L);
     float *tmp = malloc((size_t)step * sizeof(float));
     if (!tmp) return -1;
