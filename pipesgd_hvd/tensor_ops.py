@@ -75,6 +75,12 @@ class TensorOps(Protocol):
     def to_numpy(self, x: Tensor) -> Any:
         """A host numpy array (zero-copy where the framework allows)."""
     def from_numpy(self, a: Any, like: Optional[Tensor] = None) -> Tensor: ...
+    def kernel_address(self, x: Tensor) -> Optional[int]:
+        """Address of ``x``'s first element when the fused host kernels (compression/kernels.py)
+        may read it (and write it, if the codec owns it: outputs, residuals): a C-contiguous
+        tensor in host memory of a table that also has :meth:`MutableTensorOps.empty`. None
+        otherwise (GPU and graph tensors, a table built with ``fused=False``): the codecs then
+        run their tensor-op reference instead."""
 
 
 class MutableTensorOps(TensorOps, Protocol):

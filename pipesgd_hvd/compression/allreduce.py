@@ -74,10 +74,7 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
 
     payload, ctx = codec.encode(ops, rows, key=f"{key}/send", seed=seed.child("send"))
     received = comm.alltoall_async(payload, f"{name}.a2a").wait()
-    total = ops.sum(codec.decode(ops, received, ctx), axis=0, keepdims=True)
-    scale = postscale_factor(op, postscale, size)
-    if scale != 1.0:
-        total = total * scale
+    total = codec.decode_sum(ops, received, ctx, postscale_factor(op, postscale, size))
 
     reduced, ctx2 = codec.encode(ops, total, key=f"{key}/reduced", seed=seed.child("reduced"))
     gathered = comm.allgather_async(reduced, f"{name}.ag").wait()

@@ -12,14 +12,22 @@ The contract: ``encode(ops, x, key=, seed=) -> (payload, ctx)`` and ``decode(ops
 Non-finite values: casts and truncation keep them element-wise. The quantizers keep them within
 their block: a block holding inf or nan decodes as all-nan (its scale is nan), and no other block
 changes. That is enough for AMP's overflow check to see it and skip the step on every rank.
+(The codes inside such a block are unspecified.)
+
+Speed: on host tensors (PyTorch CPU, numpy) the byte codecs run fused kernels
+(``compression/kernels.py``): encode with error feedback in one pass, decode+sum in one pass.
+The tensor-op compositions below are the reference they equal bit for bit (nearest rounding),
+and what runs elsewhere (CUDA, TensorFlow graphs, a table built with ``fused=False``).
 """
 from __future__ import annotations
 
 import abc
 import sys
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..tensor_ops import Tensor, TensorOps
+from . import kernels
+from .kernels import Kind
 
 if sys.byteorder != "little":  # truncation slices bytes; every supported platform is little-endian
     raise ImportError("pipesgd_hvd's codecs assume a little-endian machine")
@@ -44,6 +52,24 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, ops: TensorOps, payload: Tensor, ctx: Any) -> Tensor: ...
+
+    def encode_ef(self, ops: TensorOps, x: Tensor, residual: Optional[Tensor], *, key: str,
+                  seed: Any) -> Tuple[Tensor, Any, Tensor]:
+        """Encode ``y = x + residual`` (``x`` when None) for error feedback: returns the payload,
+        its context and the new residual ``y - decode(encode(y))`` with non-finite values set to 0.
+        A codec with a fused kernel may write the new residual into ``residual`` and return it."""
+        corrected = x + residual if residual is not None else x
+        payload, ctx = self.encode(ops, corrected, key=key, seed=seed)
+        return payload, ctx, ops.finite_or_zero(corrected - self.decode(ops, payload, ctx))
+
+    def decode_sum(self, ops: TensorOps, payload: Tensor, ctx: Any, scale: float = 1.0) -> Tensor:
+        """Decode byte rows ``[N, nbytes]`` and sum them in float32 -> ``[1, cols]``, times
+        ``scale`` unless it is 1: the reduce step of the compressed all-reduce. The fused kernels
+        add in rank order starting from +0, as numpy's sum does (PyTorch's sum agrees except on
+        very short rows, which it adds in another order); either way every rank gets the same
+        bits, since each chunk is summed by its owner alone and then sent to all."""
+        total = ops.sum(self.decode(ops, payload, ctx), axis=0, keepdims=True)
+        return total * scale if scale != 1.0 else total
 
     def state_dict(self) -> Dict[str, Any]:
         return {}
@@ -88,7 +114,30 @@ class HorovodCompressor(Codec):
         return self.compressor.decompress(payload, ctx)
 
 
-class Cast(Codec):
+class KernelCodec(Codec):
+    """A byte codec whose payload rows the fused kernels decode: :meth:`decode` and
+    :meth:`decode_sum` run the kernel when the table allows it, else the tensor-op reference
+    :meth:`_decode_ops`. ``ctx`` is the row length."""
+
+    @abc.abstractmethod
+    def _layout(self, cols: int) -> Tuple[Kind, int, int]:
+        """(kernel layout, values per block, bits) of rows of ``cols`` values."""
+
+    @abc.abstractmethod
+    def _decode_ops(self, ops: TensorOps, payload: Tensor, cols: int) -> Tensor: ...
+
+    def decode(self, ops: TensorOps, payload: Tensor, ctx: Any) -> Tensor:
+        kind, width, bits = self._layout(ctx)
+        out = kernels.decode(ops, payload, kind, cols=ctx, width=width, bits=bits)
+        return out if out is not None else self._decode_ops(ops, payload, ctx)
+
+    def decode_sum(self, ops: TensorOps, payload: Tensor, ctx: Any, scale: float = 1.0) -> Tensor:
+        kind, width, bits = self._layout(ctx)
+        out = kernels.decode_sum(ops, payload, kind, cols=ctx, scale=scale, width=width, bits=bits)
+        return out if out is not None else super().decode_sum(ops, payload, ctx, scale)
+
+
+class Cast(KernelCodec):
     """Cast to a 16-bit float on the wire (``float16`` or ``bfloat16``, round to nearest even);
     the compressed all-reduce sums in float32. float16 overflows beyond 65504: prefer bfloat16
     for gradients with a large range."""
@@ -99,14 +148,20 @@ class Cast(Codec):
         self.dtype = dtype
         self.name = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
 
+    def _layout(self, cols: int) -> Tuple[Kind, int, int]:
+        return (Kind.FP16 if self.dtype == "float16" else Kind.BF16), 0, 0
+
     def encode(self, ops: TensorOps, x: Tensor, *, key: str, seed: Any) -> Tuple[Tensor, Any]:
+        fused = kernels.cast_encode(ops, x, self._layout(0)[0])
+        if fused is not None:
+            return fused, ops.shape(x)[-1]
         return ops.bitcast(ops.cast(x, self.dtype), "uint8"), ops.shape(x)[-1]
 
-    def decode(self, ops: TensorOps, payload: Tensor, ctx: Any) -> Tensor:
+    def _decode_ops(self, ops: TensorOps, payload: Tensor, cols: int) -> Tensor:
         return ops.cast(ops.bitcast(payload, self.dtype), "float32")
 
 
-class Truncate(Codec):
+class Truncate(KernelCodec):
     """The paper's truncation: keep the upper ``bits`` bits of each float32 (16: sign, exponent and
     7 mantissa bits, i.e. bfloat16 rounded toward zero; 24: 15 mantissa bits)."""
 
@@ -117,23 +172,28 @@ class Truncate(Codec):
         self.kept = bits // 8
         self.name = f"truncate{bits}"
 
+    def _layout(self, cols: int) -> Tuple[Kind, int, int]:
+        return (Kind.TRUNC16 if self.bits == 16 else Kind.TRUNC24), 0, 0
+
     def encode(self, ops: TensorOps, x: Tensor, *, key: str, seed: Any) -> Tuple[Tensor, Any]:
         rows, cols = ops.shape(x)
+        fused = kernels.cast_encode(ops, x, self._layout(cols)[0])
+        if fused is not None:
+            return fused, cols
         # A nan whose payload sits only in the low mantissa bits would truncate to inf: make it
         # the canonical quiet nan first, whose high bits mark it as nan.
         x = ops.where(ops.isnan(x), NAN, x)
         raw = ops.reshape(ops.bitcast(x, "uint8"), (rows, cols, 4))
         return ops.reshape(raw[:, :, 4 - self.kept:], (rows, cols * self.kept)), cols
 
-    def decode(self, ops: TensorOps, payload: Tensor, ctx: Any) -> Tensor:
-        cols = ctx
+    def _decode_ops(self, ops: TensorOps, payload: Tensor, cols: int) -> Tensor:
         rows = ops.shape(payload)[0]
         kept = ops.reshape(payload, (rows, cols, self.kept))
         low = ops.zeros((rows, cols, 4 - self.kept), "uint8", like=payload)
         return ops.bitcast(ops.reshape(ops.concat([low, kept], 2), (rows, cols * 4)), "float32")
 
 
-class Quantize(Codec):
+class Quantize(KernelCodec):
     """Symmetric scalar quantization to ``bits`` (8 or 4) with one float32 scale per ``block``
     values: ``q = round(x / max|block| * L)``, ``L = 2**(bits-1) - 1`` (127 or 7), sent as unsigned
     codes ``q + L + 1`` (two per byte at 4 bits). ``rounding='stochastic'`` uses ``floor(y + u)``,
@@ -160,7 +220,35 @@ class Quantize(Codec):
         width = min(cols, self.block)
         return cols // width, width
 
+    def _layout(self, cols: int) -> Tuple[Kind, int, int]:
+        return Kind.QUANTIZE, self._blocks(cols)[1], self.bits
+
+    def _noise(self, ops: TensorOps, x: Tensor, seed: Any) -> Optional[Tensor]:
+        rows, cols = ops.shape(x)
+        nblocks, width = self._blocks(cols)
+        return ops.uniform((rows, nblocks, width), seed, like=x) if self.rounding == "stochastic" else None
+
+    def _encode_fused(self, ops: TensorOps, x: Tensor, residual: Optional[Tensor], seed: Any,
+                      error_feedback: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        if not kernels.accepts(ops, x):  # checked before drawing noise: the reference draws its own
+            return None
+        rows, cols = ops.shape(x)
+        noise = self._noise(ops, x, seed)
+        return kernels.quantize_encode(ops, x, width=self._blocks(cols)[1], bits=self.bits,
+                                       noise=None if noise is None else ops.reshape(noise, (rows, cols)),
+                                       residual=residual, error_feedback=error_feedback)
+
+    def encode_ef(self, ops: TensorOps, x: Tensor, residual: Optional[Tensor], *, key: str,
+                  seed: Any) -> Tuple[Tensor, Any, Tensor]:
+        fused = self._encode_fused(ops, x, residual, seed, error_feedback=True)
+        if fused is None:
+            return super().encode_ef(ops, x, residual, key=key, seed=seed)
+        return fused[0], ops.shape(x)[1], fused[1]
+
     def encode(self, ops: TensorOps, x: Tensor, *, key: str, seed: Any) -> Tuple[Tensor, Any]:
+        fused = self._encode_fused(ops, x, None, seed, error_feedback=False)
+        if fused is not None:
+            return fused[0], ops.shape(x)[1]
         # Each full-size pass over the bucket costs about as much as the wire at 10 Gbit, so the
         # work per value is kept to abs, max, one division, round, clip and the cast; everything
         # else is per block.
@@ -173,7 +261,7 @@ class Quantize(Codec):
         safe = ops.where(usable, amax, ops.full((rows, nblocks), 1.0, "float32", like=x))
         scale = ops.where(finite, amax, NAN)
         # x / max|x| is in [-1, 1] even for denormal or huge scales (no overflow, no underflow).
-        noise = ops.uniform((rows, nblocks, width), seed, like=x) if self.rounding == "stochastic" else None
+        noise = self._noise(ops, x, seed)
         # Codes 1..2L+1 (0 unused); a non-finite block's codes are whatever the cast makes of NaN:
         # its scale is NaN, so it decodes to NaN on every rank regardless.
         codes = ops.reshape(ops.to_levels(blocks, ops.reshape(safe, (rows, nblocks, 1)), float(self.levels),
@@ -183,8 +271,7 @@ class Quantize(Codec):
         payload = ops.concat([ops.bitcast(scale, "uint8"), ops.cast(codes, "uint8")], 1)
         return payload, cols
 
-    def decode(self, ops: TensorOps, payload: Tensor, ctx: Any) -> Tensor:
-        cols = ctx
+    def _decode_ops(self, ops: TensorOps, payload: Tensor, cols: int) -> Tensor:
         rows = ops.shape(payload)[0]
         nblocks, width = self._blocks(cols)
         scale = ops.reshape(ops.bitcast(payload[:, :4 * nblocks], "float32"), (rows, nblocks, 1))

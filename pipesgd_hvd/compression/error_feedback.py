@@ -30,20 +30,22 @@ class ErrorFeedback(Codec):
 
     def encode(self, ops: TensorOps, x: Tensor, *, key: str, seed: Any) -> Tuple[Tensor, Any]:
         held = self._residuals.get(key)
-        if held is not None and ops.shape(ops.read(held)) != ops.shape(x):
-            held = None  # the bucket layout changed (parameters frozen or added): start afresh
-        corrected = x + ops.read(held) if held is not None else x
-        payload, ctx = self.codec.encode(ops, corrected, key=key, seed=seed)
-        error = corrected - self.codec.decode(ops, payload, ctx)
-        error = ops.finite_or_zero(error)
+        residual = ops.read(held) if held is not None else None
+        if residual is not None and ops.shape(residual) != ops.shape(x):
+            held = residual = None  # the bucket layout changed (parameters frozen or added): start afresh
+        # One pass where the codec has a fused kernel: it may update the residual in place.
+        payload, ctx, error = self.codec.encode_ef(ops, x, residual, key=key, seed=seed)
         if held is None:
             self._residuals[key] = ops.new_state(error)
-        else:
+        elif error is not residual:
             ops.assign(held, error)
         return payload, ctx
 
     def decode(self, ops: TensorOps, payload: Tensor, ctx: Any) -> Tensor:
         return self.codec.decode(ops, payload, ctx)
+
+    def decode_sum(self, ops: TensorOps, payload: Tensor, ctx: Any, scale: float = 1.0) -> Tensor:
+        return self.codec.decode_sum(ops, payload, ctx, scale)
 
     def residual(self, key: str) -> Any:
         """The residual kept for ``key`` (None before its first step)."""

@@ -21,6 +21,9 @@ def _np_dtype(dtype: str) -> Any:
 class NumpyOps:
     name = "numpy"
 
+    def __init__(self, fused: bool = True) -> None:
+        self.fused = fused  # False: codecs run their unfused tensor-op reference (the tests' baseline)
+
     def dtype_name(self, x: np.ndarray) -> str:
         return "bfloat16" if x.dtype.name == "bfloat16" else x.dtype.name
 
@@ -132,6 +135,11 @@ class NumpyOps:
 
     def from_numpy(self, a: np.ndarray, like: Optional[np.ndarray] = None) -> np.ndarray:
         return a
+
+    def kernel_address(self, x: np.ndarray) -> Optional[int]:
+        if not self.fused or not x.flags.c_contiguous:
+            return None
+        return int(x.ctypes.data)
 
     def copy_into_(self, dst: np.ndarray, offset: int, src: np.ndarray) -> None:
         dst[offset:offset + src.size] = np.ravel(src)

@@ -143,6 +143,11 @@ class TensorFlowOps:
     def read(self, state: Any) -> tf.Tensor:
         return state.read_value() if isinstance(state, tf.Variable) else tf.convert_to_tensor(state)
 
+    def kernel_address(self, x: Any) -> Optional[int]:
+        # A graph tensor has no address, and an eager one would need copies in and out of numpy
+        # (TensorFlow owns its buffers): TensorFlow runs the codecs' tensor-op composition.
+        return None
+
     def to_numpy(self, x: Any) -> np.ndarray:
         return x.numpy()
 

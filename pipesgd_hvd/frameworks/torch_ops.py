@@ -42,9 +42,10 @@ def _device(like: Optional[torch.Tensor]) -> torch.device:
 class TorchOps:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = True) -> None:
         # One side stream per device and thread that runs codec work (the engine's comm thread).
         self._streams = threading.local()
+        self.fused = fused  # False: codecs run their unfused tensor-op reference (the tests' baseline)
 
     def dtype_name(self, x: torch.Tensor) -> str:
         return dtype_name(x.dtype)
@@ -159,6 +160,11 @@ class TorchOps:
         if like is not None and like.dtype == torch.bfloat16 and out.dtype == torch.int16:
             out = out.view(torch.bfloat16)
         return out.to(_device(like)) if like is not None else out
+
+    def kernel_address(self, x: torch.Tensor) -> Optional[int]:
+        if not self.fused or x.device.type != "cpu" or not x.is_contiguous():
+            return None
+        return x.data_ptr()
 
     def copy_into_(self, dst: torch.Tensor, offset: int, src: torch.Tensor) -> None:
         dst.narrow(0, offset, src.numel()).copy_(src.reshape(-1))

@@ -1,0 +1,260 @@
+"""Codec speed on one core: encode+decode of each byte codec, the fused kernels next to the unfused
+tensor-op reference, each against a plain copy of the same tensor timed right beside it (the
+memory limit); then where a rank's CPU goes in one compressed all-reduce. Writes the
+"codec_speed" section of docs/benchmarks.md.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.codec_speed [--repeats 7] [--mib 16 64] [--no-write]
+
+The codec timings run in two worker processes: one with glibc's default allocator settings and
+one where freed memory stays mapped (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), to
+tell the kernels' own speed from the page faults of the new tensors every codec returns.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from benchmarks.allreduce_cpu import profile
+from benchmarks.throughput import wait_for_quiet
+from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
+from pipesgd_hvd.frameworks.torch_ops import TorchOps
+
+CODECS: Dict[str, Callable[[], Codec]] = {
+    "fp16": lambda: Cast("float16"),
+    "bf16": lambda: Cast("bfloat16"),
+    "truncate16": lambda: Truncate(16),
+    "int8+EF": lambda: ErrorFeedback(Quantize(8)),
+    "int4+EF": lambda: ErrorFeedback(Quantize(4)),
+}
+PATHS = {"fused": TorchOps(), "reference": TorchOps(fused=False)}
+ALLREDUCE_CODECS = {"int8": "int8+EF", "int4": "int4+EF", "fp16": "fp16"}  # resolve_compression names
+# glibc maps every allocation above its mmap threshold (dynamic, 32 MiB at most) afresh and gives
+# freed heap tops back to the OS: each new large tensor is then page-faulted again.
+MALLOC_MODES = {
+    "default malloc": {},
+    "freed memory kept": {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31)},
+}
+MARKER = "CODEC_SPEED_RESULT "
+Results = Dict[int, Dict[Tuple[str, str], Dict[str, float]]]
+
+
+def log(message: str) -> None:
+    print(f"[codec_speed] {message}", file=sys.stderr, flush=True)
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def codec_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str, float]]:
+    """(codec, path) -> median seconds of encode, decode, and of the plain copy timed beside them;
+    (``clone``, ``-``) -> a copy into a new tensor (what allocating an output costs on top)."""
+    x = torch.randn(1, numel)
+    copy_dst = torch.empty_like(x)
+    clones: Dict[str, List[float]] = {"clone": [], "copy": []}
+    cases = {(name, path): (make(), PATHS[path]) for name, make in CODECS.items() for path in PATHS}
+    samples: Dict[Tuple[str, str], Dict[str, List[float]]] = {
+        case: {"encode": [], "decode": [], "copy": []} for case in cases}
+    for codec, ops in cases.values():  # warm-up: error feedback holds a residual from here on
+        payload, ctx = codec.encode(ops, x, key="b", seed=0)
+        codec.decode(ops, payload, ctx)
+    for rep in range(repeats):  # interleaved: drift on the machine hits every case alike
+        for case, (codec, ops) in cases.items():
+            got: Dict[str, object] = {}
+            samples[case]["copy"].append(seconds(lambda: copy_dst.copy_(x)))
+            samples[case]["encode"].append(seconds(lambda: got.update(enc=codec.encode(ops, x, key="b", seed=rep))))
+            payload, ctx = got["enc"]  # type: ignore[misc]
+            samples[case]["decode"].append(seconds(lambda: codec.decode(ops, payload, ctx)))
+        clones["copy"].append(seconds(lambda: copy_dst.copy_(x)))
+        clones["clone"].append(seconds(lambda: x.clone()))
+        log(f"{numel * 4 / 2 ** 20:.0f} MiB: {rep + 1}/{repeats}")
+    out = {case: {k: statistics.median(v) for k, v in s.items()} for case, s in samples.items()}
+    out["clone", "-"] = {k: statistics.median(v) for k, v in clones.items()}
+    return out
+
+
+def tensorflow_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str, float]]:
+    """The same codecs on TensorFlow, inside ``tf.function`` (graph tensors have no address, so
+    TensorFlow runs the tensor-op composition), each next to a PyTorch copy of the same bytes."""
+    import tensorflow as tf
+
+    from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    ops = TensorFlowOps()
+    x_torch = torch.randn(1, numel)
+    copy_dst = torch.empty_like(x_torch)
+    x = tf.constant(x_torch.numpy())
+    out: Dict[Tuple[str, str], Dict[str, float]] = {}
+    for name, make in CODECS.items():
+        codec = make()
+        cols = numel
+        encode = tf.function(lambda t: codec.encode(ops, t, key="b", seed=0)[0])
+        decode = tf.function(lambda p: codec.decode(ops, p, cols))
+        decode(encode(x))  # trace both (and create the residual variable)
+        times: Dict[str, List[float]] = {"encode": [], "decode": [], "copy": []}
+        for _ in range(repeats):
+            got: Dict[str, object] = {}
+            times["copy"].append(seconds(lambda: copy_dst.copy_(x_torch)))
+            times["encode"].append(seconds(lambda: got.update(p=encode(x).numpy())))
+            payload = tf.constant(got["p"])
+            times["decode"].append(seconds(lambda: decode(payload).numpy()))
+        out[name, "TensorFlow (tf.function)"] = {k: statistics.median(v) for k, v in times.items()}
+        log(f"TensorFlow {name}: done")
+    return out
+
+
+def codec_table(by_mode: Dict[str, Results]) -> str:
+    """One row per codec and path; per size, encode+decode in plain copies under each allocator
+    setting (encode + decode in brackets), and GB/s with freed memory kept."""
+    from benchmarks.report import table
+
+    modes = list(by_mode)
+    sizes = sorted(by_mode[modes[0]])
+    header = ["codec", "path"]
+    for numel in sizes:
+        header += [f"x copies, {mode}, {numel * 4 / 2 ** 20:.0f} MiB" for mode in modes]
+        header.append(f"GB/s, {modes[-1]}, {numel * 4 / 2 ** 20:.0f} MiB")
+    cases = list(dict.fromkeys(case for numel in sizes for case in by_mode[modes[0]][numel]))
+    rows = []
+    for name, path in cases:
+        row = [name if path != "-" else "plain copy into a new tensor (`x.clone()`)", path]
+        for numel in sizes:
+            for mode in modes:
+                t = by_mode[mode][numel].get((name, path))
+                if t is None:
+                    row.append("-")
+                elif path == "-":
+                    row.append(f"{t['clone'] / t['copy']:.2f}")
+                else:
+                    both = t["encode"] + t["decode"]
+                    row.append(f"{both / t['copy']:.2f} ({t['encode'] / t['copy']:.2f} + {t['decode'] / t['copy']:.2f})")
+            t = by_mode[modes[-1]][numel].get((name, path))
+            row.append("-" if t is None else f"{numel * 4 / (t['clone'] if path == '-' else t['encode'] + t['decode']) / 1e9:.1f}")
+        rows.append(row)
+    return table(header, rows)
+
+
+def run_worker(args: argparse.Namespace, extra_env: Dict[str, str]) -> Results:
+    """The codec timings in a fresh process with ``extra_env`` (the allocator settings)."""
+    cmd = [sys.executable, "-m", "benchmarks.codec_speed", "--worker", "--repeats", str(args.repeats),
+           "--max-quiet-wait", str(args.max_quiet_wait), "--mib", *map(str, args.mib)]
+    cmd += ["--tensorflow"] if args.tensorflow else []
+    proc = subprocess.run(cmd, env=dict(os.environ, **extra_env), stdout=subprocess.PIPE, text=True, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(MARKER))
+    raw = json.loads(line[len(MARKER):])
+    return {int(numel): {tuple(case.split("|")): t for case, t in cases.items()}  # type: ignore[misc]
+            for numel, cases in raw.items()}
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    results: Results = {}
+    for mib in args.mib:
+        quiet(args.max_quiet_wait)
+        results[mib * 2 ** 18] = codec_times(mib * 2 ** 18, args.repeats)
+    if args.tensorflow:
+        quiet(args.max_quiet_wait)
+        results[min(results)].update(tensorflow_times(min(results), args.repeats))
+    raw = {str(numel): {"|".join(case): t for case, t in cases.items()} for numel, cases in results.items()}
+    print(MARKER + json.dumps(raw), flush=True)
+
+
+def allreduce_rows(numel: int, ranks: List[int], repeats: int, max_wait: float) -> List[List[str]]:
+    rows = []
+    for name, label in ALLREDUCE_CODECS.items():
+        for size in ranks:
+            for path in PATHS:
+                quiet(max_wait)
+                spent = profile(name, size, numel, repeats, fused=path == "fused", progress=log)
+                copy = spent["copy"]
+                codec = sum(v for k, v in spent.items() if k.startswith("codec."))
+                table_ops = sum(v for k, v in spent.items() if k.startswith("ops."))
+                rows.append([label, str(size), path, f"{spent['total'] * 1e3:.1f}", f"{spent['total'] / copy:.1f}",
+                             f"{codec * 1e3:.1f}", f"{spent.get('collectives', 0.0) * 1e3:.1f}",
+                             f"{table_ops * 1e3:.1f}", f"{spent['rest'] * 1e3:.1f}",
+                             f"{spent['total'] / codec:.2f}"])
+    return rows
+
+
+def quiet(max_wait: float) -> None:
+    """Waits (up to ``max_wait`` s) for other jobs to leave a core idle, and says how it went."""
+    waited, busy = wait_for_quiet(max_wait)
+    log(f"waited {waited:.0f} s for other jobs; {busy:.1f} cores busy")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from benchmarks.report import machine_line, table, write_section
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--mib", type=int, nargs="+", default=[16, 64], help="tensor sizes in MiB")
+    parser.add_argument("--allreduce-mb", type=float, default=16.8, help="bucket of the all-reduce profile (MB)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--max-quiet-wait", type=float, default=60.0,
+                        help="seconds to wait for an idle core before each measurement")
+    parser.add_argument("--tensorflow", action="store_true",
+                        help="also TensorFlow inside tf.function (the unfused composition), smallest size only")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats < 7:
+        parser.error("--repeats must be >= 7 (medians of fewer runs are too noisy on a shared machine)")
+    if not kernels.available():
+        raise SystemExit(kernels.UNAVAILABLE)
+    if args.worker:
+        worker(args)
+        return
+    torch.set_num_threads(1)
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    load_before = os.getloadavg()
+    by_mode = {mode: run_worker(args, env) for mode, env in MALLOC_MODES.items()}
+    numel = int(args.allreduce_mb * 1e6) // 4
+    breakdown = allreduce_rows(numel, args.ranks, args.repeats, args.max_quiet_wait)
+    load = f"load average {load_before[0]:.1f} before the run, {os.getloadavg()[0]:.1f} after"
+    text = (
+        f"## Codec speed (`benchmarks/codec_speed.py`)\n\n{machine_line()}, one core (torch threads 1, "
+        f"OMP_NUM_THREADS={threads}), PyTorch CPU tensors, {load}; medians of {args.repeats}. Each encode and "
+        "decode is timed right after a plain copy of the same float32 tensor into an existing one "
+        "(`dst.copy_(x)`, the memory limit); \"x copies\" is the ratio of the medians, encode + decode. "
+        "`fused` runs the kernels of `pipesgd_hvd/compression/_kernels.c`, `reference` the unfused "
+        "tensor-op composition (a table built with `fused=False`); both give the same bytes "
+        "(tests/test_codec_kernels.py). `+EF`: with error feedback, after a first step (a residual "
+        "is held). GB/s: float32 bytes in, over encode + decode. Every encode and decode returns new "
+        "tensors; with glibc's default settings a large one is often mapped afresh and page-faulted "
+        "(the last row prices that for a plain copy), so the codecs also ran in a process where freed "
+        "memory stays mapped (`MALLOC_MMAP_THRESHOLD_=2^30 MALLOC_TRIM_THRESHOLD_=2^31`): that column "
+        "is the kernels' own speed."
+        + (" `TensorFlow (tf.function)`: the same codecs traced by TensorFlow (one thread), which "
+           "keeps the unfused composition (a graph tensor has no address for the kernels)."
+           if args.tensorflow else "") + "\n\n"
+        + codec_table(by_mode)
+        + f"\n\n### CPU of one compressed all-reduce\n\n`benchmarks/allreduce_cpu.py`: `compressed_allreduce` "
+        f"of a {numel * 4 / 1e6:.1f} MB float32 bucket ({numel} values, so rows are padded) on the "
+        "in-process LocalWorld, ranks as threads; CPU time of rank 0 (its thread's clock, so waiting "
+        "for the peer is free), median of the same runs, in ms. `codec`: encode (with error feedback), "
+        "decode+sum, re-encode, decode. `collectives`: LocalWorld's alltoall and allgather (their "
+        "concatenations). `table ops`: the table calls `compressed_allreduce` makes itself (the "
+        "padding `concat`). `rest`: everything else in the call (slices, the scale multiply where the "
+        "codec does not fuse it). \"x copies\": the total over a plain copy of the bucket.\n\n"
+        + table(["codec", "ranks", "path", "total", "x copies", "codec", "collectives", "table ops", "rest",
+                 "total / codec"], breakdown))
+    print(text)
+    if not args.no_write:
+        write_section("codec_speed", text)
+        log("wrote the codec_speed section of docs/benchmarks.md")
+
+
+if __name__ == "__main__":
+    main()
