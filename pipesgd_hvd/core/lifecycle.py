@@ -2,8 +2,8 @@
 graph (Keras): the pipeline's life and its state around the steps.
 
 :class:`PipelineLifecycle` owns the pipeline object (the eager
-:class:`~pipesgd_hvd.engine.PipelineEngine`, or TensorFlow's ``GraphPipeline``, both built by a
-:class:`PipelineBuilder` the adapter supplies) and everything that replaces or saves it:
+:class:`~pipesgd_hvd.engine.PipelineEngine`, or TensorFlow's ``GraphPipeline``, built by the
+subclass's ``build_pipeline``) and everything that replaces or saves it:
 
 * its name, agreed across ranks (:func:`~pipesgd_hvd.consistency.agree_pipeline_name`);
 * the auto mode (:mod:`pipesgd_hvd.auto_controller`), which rebuilds it with another width or
@@ -16,6 +16,7 @@ graph (Keras): the pipeline's life and its state around the steps.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import weakref
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence
 
@@ -55,29 +56,20 @@ class Pipeline(Protocol):
     def close(self) -> None: ...
 
 
-class PipelineBuilder(Protocol):
-    def __call__(self, config: PipelineConfig, codec: Codec, *, first_step: int, check_ranks: bool) -> Pipeline:
-        """A new pipeline; ``check_ranks``: run the cross-rank check of settings and tensors
-        (collective) now."""
-        ...
-
-
 class PipelineLifecycle:
     """The pipeline of one optimizer, from construction to interpreter exit (module docstring)."""
 
     def __init__(self, options: PipelineOptions, names: Sequence[str], comm: Communicator, ops: TensorOps,
-                 build: PipelineBuilder, weights: Callable[[], List[Tensor]],
-                 weights_guard: Callable[[], ContextManager[Any]],
                  comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
-        """``weights``/``weights_guard``: the tensors weight prediction writes, and the context
-        to write them in (``torch.no_grad``). ``comm_factory``: builds the transport again for a
-        new Horovod elastic world (collective); the transport is then this optimizer's own, closed
-        at a change of the world and at exit."""
+        """``comm_factory``: builds the transport again for a new Horovod elastic world
+        (collective); the transport is then this optimizer's own, closed at a change of the world
+        and at exit. Subclasses supply the framework's side: :meth:`build_pipeline`,
+        :meth:`weights`, :meth:`weights_guard`. Nothing here holds a reference to ``self``
+        (callbacks are weak): an optimizer the user drops is freed at once, and its hooks stop."""
         self.options, self.comm, self.ops = options, comm, ops
         self._comm_factory = comm_factory
         self._held: List[Any] = [None]  # the pipeline, where a finalizer can see it without holding self
         self.names = list(names)
-        self._build, self._weights, self._weights_guard = build, weights, weights_guard
         self.width, self._codec_template = options.initial()
         # Under Horovod elastic a joining worker builds its optimizer while the others sync, so it
         # issues no collective here; the pipeline is built again, checked, in elastic_sync().
@@ -85,7 +77,7 @@ class PipelineLifecycle:
         self._name = provisional_name() if joining else agree_pipeline_name(comm)
         self.pipeline = self._new_pipeline(check_ranks=not joining)
         self.auto_controller = None if options.auto is None else \
-            AutoController(options.auto, comm, ops, rebuild=self._switch)  # type: ignore[arg-type]
+            AutoController(options.auto, comm, ops, rebuild=weak_method(self._switch))
         self.prediction = self._new_prediction()
         self.switched: List[Callable[[], None]] = []  # told after the auto mode rebuilt the pipeline
 
@@ -109,8 +101,21 @@ class PipelineLifecycle:
 
     def _new_pipeline(self, first_step: int = 0, check_ranks: bool = True) -> Pipeline:
         config = self.options.config(self._name, width=self.width)
-        return self._build(config, resolve_compression(self._codec_template), first_step=first_step,
-                           check_ranks=check_ranks)
+        return self.build_pipeline(config, resolve_compression(self._codec_template), first_step=first_step,
+                                   check_ranks=check_ranks)
+
+    def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int, check_ranks: bool) -> Pipeline:
+        """A new pipeline; ``check_ranks``: run the cross-rank check of settings and tensors
+        (collective) now."""
+        raise NotImplementedError
+
+    def weights(self) -> List[Tensor]:
+        """The tensors weight prediction writes."""
+        raise NotImplementedError
+
+    def weights_guard(self) -> ContextManager[Any]:
+        """The context to write them in (``torch.no_grad``)."""
+        return contextlib.nullcontext()
 
     def rebuild(self) -> None:
         """A new pipeline over the same settings (the tensor list changed before training)."""
@@ -133,8 +138,8 @@ class PipelineLifecycle:
     def _new_prediction(self) -> Optional[WeightPrediction]:
         if self.options.staleness_correction is None:
             return None
-        with self._weights_guard():
-            return WeightPrediction(self.ops, self._weights())
+        with self.weights_guard():
+            return WeightPrediction(self.ops, self.weights())
 
     # ------------------------------------------------------------------------ checkpointing
     def compose_state(self) -> Dict[str, Any]:
@@ -157,8 +162,8 @@ class PipelineLifecycle:
         is computed at (with the correction), or the real weights (a correction checkpoint
         resumed without it). A checkpoint without prediction state starts predicting afresh.
         Returns whether the tensors now hold a prediction."""
-        weights = self._weights()
-        with self._weights_guard():
+        weights = self.weights()
+        with self.weights_guard():
             if self.prediction is not None and saved is not None:
                 self.prediction.load_state_dict(saved, self.names, weights)
             elif self.prediction is not None:
@@ -212,6 +217,19 @@ class PipelineLifecycle:
         close = getattr(self.comm, "close", None)
         if self._comm_factory is not None and close is not None:
             close()
+
+
+def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` without a reference to its object (a callback kept by something the object owns)."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the optimizer this callback belongs to is gone")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def call_at_exit(owner: Any, method: Callable[[Any], None]) -> None:

@@ -98,8 +98,7 @@ class OptimizerCore(PipelineLifecycle):
     def __init__(self, options: PipelineOptions, names: Sequence[str], adapter: TrainingAdapter,
                  comm: Communicator, comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         self.adapter = adapter
-        super().__init__(options, names, comm, adapter.ops, self._engine_for, adapter.weights, adapter.weights_guard,
-                         comm_factory)
+        super().__init__(options, names, comm, adapter.ops, comm_factory)
         self._weights_predicted = False  # the tensors hold the prediction, not the real weights
         self._passes = [0] * len(self.names)
         self._synchronized = False       # synchronize() ran; step() has not
@@ -116,8 +115,14 @@ class OptimizerCore(PipelineLifecycle):
         # abandoned alike everywhere; say so, and stop its hooks.
         weakref.finalize(self, _dropped, self._held, adapter).atexit = False
 
-    def _engine_for(self, config: PipelineConfig, codec: Codec, *, first_step: int,
-                    check_ranks: bool) -> PipelineEngine:
+    def weights(self) -> List[Tensor]:
+        return self.adapter.weights()
+
+    def weights_guard(self) -> ContextManager[Any]:
+        return self.adapter.weights_guard()
+
+    def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
+                       check_ranks: bool) -> PipelineEngine:
         return PipelineEngine(self.adapter.tensor_specs(), ops=self.adapter.ops, comm=self.comm, codec=codec,
                               config=config, device_anchors=self.adapter.device_anchors(), first_step=first_step,
                               check_ranks=check_ranks)

@@ -96,7 +96,8 @@ def resolve_reduce_op(op: Any, hvd: Optional[Any] = None) -> ReduceOp:
             return ReduceOp.SUM
         if op == hvd.Adasum:
             raise ValueError("op=Adasum is not supported by pipesgd_hvd (it is not a sum of gradients, so it "
-                             "cannot be pipelined or compressed): use op=Average")
+                             "cannot be pipelined or compressed): use op=Average, or keep Horovod's own "
+                             "DistributedOptimizer for Adasum")
     raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
 
 
@@ -119,7 +120,8 @@ def check_global_process_set(process_set: Any, hvd: Optional[Any]) -> None:
     if hvd is None:
         raise ValueError("process_set needs Horovod, which is not installed; omit process_set")
     if process_set is not hvd.global_process_set:
-        raise ValueError("pipesgd_hvd supports only Horovod's global process set; omit process_set")
+        raise ValueError("pipesgd_hvd supports only Horovod's global process set; omit process_set (or keep Horovod's "
+                         "own DistributedOptimizer for a process set)")
 
 
 def check_staleness_correction(value: Any) -> Optional[str]:

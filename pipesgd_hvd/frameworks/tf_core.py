@@ -10,7 +10,6 @@ when it rebuilds the pipeline, the train function must be traced again.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -53,8 +52,7 @@ class KerasCore(PipelineLifecycle):
         # Eager even when Keras builds the optimizer inside a trace; the build's collectives (name,
         # cross-rank check, codec priming) are watched like a step.
         with tf.init_scope(), self.progress.eager_step():
-            super().__init__(options, [s.name for s in self.specs], comm, TensorFlowOps(), self._graph_pipeline,
-                             lambda: self.variables, contextlib.nullcontext)
+            super().__init__(options, [s.name for s in self.specs], comm, TensorFlowOps())
         self.replicas = None if not options.check_replicas_every else \
             ReplicaCheck(comm, self.graph.schedule, self.names, self.name)
         with tf.init_scope():
@@ -70,8 +68,11 @@ class KerasCore(PipelineLifecycle):
         if self.prediction is not None:
             self.graph.prediction_state = self.prediction.state()
 
-    def _graph_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
-                        check_ranks: bool) -> GraphPipeline:
+    def weights(self) -> List[Any]:
+        return self.variables
+
+    def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
+                       check_ranks: bool) -> GraphPipeline:
         return GraphPipeline(self.specs, comm=self.comm, codec=codec, config=config, first_step=first_step,
                              check_ranks=check_ranks)
 

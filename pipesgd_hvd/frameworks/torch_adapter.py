@@ -3,7 +3,7 @@ hooks and the wrapped optimizer. Translation only; the policy is the core's."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -27,6 +27,7 @@ class TorchAdapter:
         self.named = list(named)
         self.params = [p for _, p in self.named]
         self._hooks: Dict[int, Any] = getattr(self, "_hooks", {})
+        self._sparse: Set[int] = set()  # tensors whose local gradient is sparse
 
     # -------------------------------------------------------------------------------- tensors
     def tensor_specs(self) -> List[TensorSpec]:
@@ -66,6 +67,8 @@ class TorchAdapter:
 
     def local_gradient(self, index: int) -> torch.Tensor:
         name, p = self.named[index]
+        if p.grad is not None and p.grad.is_sparse:
+            self._sparse.add(index)  # reduced dense (sparse_as_dense), handed back sparse, as Horovod does
         return checks.checked_grad(name, p, self.sparse_as_dense)
 
     def write_gradients(self, grads: Dict[int, torch.Tensor], scale: float) -> None:
@@ -76,6 +79,9 @@ class TorchAdapter:
                 continue
             if scale != 1.0:
                 g = g * scale
+            if i in self._sparse:  # optimizers such as SparseAdam take sparse gradients only
+                p.grad = g.to_sparse()
+                continue
             if p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype and not p.grad.is_sparse:
                 p.grad.copy_(g)
             else:

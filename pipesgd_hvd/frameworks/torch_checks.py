@@ -7,6 +7,7 @@ with the test that checks each. Checks shared with other frameworks live in
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -106,6 +107,9 @@ def check_groups(num_groups: Any, groups: Any, params: Sequence[torch.Tensor]) -
     """Horovod's grouping arguments: accepted (and ignored: buckets replace them) when well formed."""
     if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups < 0:
         raise ValueError(f"num_groups must be an int >= 0 (Horovod's argument; ignored here), got {num_groups!r}")
+    if num_groups:  # Horovod's own warning, which code written for Horovod may filter on
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning)
     if groups is None or (isinstance(groups, numbers.Integral) and not isinstance(groups, bool) and groups >= 0):
         return
     known = {id(p) for p in params}
