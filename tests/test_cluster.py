@@ -58,10 +58,11 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
 def test_horovod_ranks_start_one_per_host(controller):
     from benchmarks.cluster import gloo, launch
 
-    script = ("import socket, horovod.torch as hvd, torch; hvd.init(); "
+    script = ("import os, socket, horovod.torch as hvd, torch; hvd.init(); "
               "t = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), op=hvd.Sum); "
               "names = hvd.allgather_object(socket.gethostname()); "
-              "print('RANK', hvd.rank(), socket.gethostname(), float(t[0]), names, flush=True)")
+              # one write(2) per line: mpirun split print()'s separate writes of two ranks into each other
+              "os.write(1, f'RANK {hvd.rank()} {socket.gethostname()} {float(t[0])} {names}\\n'.encode())")
     with Cluster(2) as cluster:
         prefix = cluster.prefix
         out = (launch if controller == "mpi" else gloo).run(cluster, [sys.executable, "-c", script],

@@ -7,6 +7,7 @@ width 2: Horovod's duplicate-name error; a dropped optimizer: silent), join (a h
 segfault inside Horovod with byte codecs), sparse_as_dense with SparseAdam, num_groups without
 Horovod's warning.
 """
+import json
 import re
 
 import pytest
@@ -47,11 +48,14 @@ REFUSED = {  # not a sum of dense gradients, or not the global world: refused wi
 }
 
 
-def test_horovod_arguments_work_as_in_horovod_or_are_refused_clearly():
-    out = run_ranks("mp/horovod_args.py", *WORKS, *REFUSED, timeout=240)
+def test_horovod_arguments_work_as_in_horovod_or_are_refused_clearly(tmp_path):
+    # results come back in files: the launcher's output can split two ranks' long lines
+    out = run_ranks("mp/horovod_args.py", str(tmp_path), *WORKS, *REFUSED, timeout=240)
+    results = [(rank, json.loads(line)) for rank in (0, 1)
+               for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()]
     for feature in WORKS + list(REFUSED):
-        lines = re.findall(rf"RESULT rank(\d) {feature} horovod=(.*?) \| w1=(.*?) \| w2=(.*)", out)
-        assert sorted(r for r, *_ in lines) == ["0", "1"], (feature, out[-3000:])
+        lines = [(rank, r["horovod"], r["w1"], r["w2"]) for rank, r in results if r["feature"] == feature]
+        assert sorted(rank for rank, *_ in lines) == [0, 1], (feature, out[-3000:])
         for rank, theirs, w1, w2 in lines:
             if feature in REFUSED:
                 assert re.match(REFUSED[feature], w1) and re.match(REFUSED[feature], w2), (feature, rank, w1, w2)

@@ -1,9 +1,10 @@
 """Horovod's optimizer arguments, ours against Horovod's on the same data (issue 17).
 
-Usage: horovod_args.py FEATURE [FEATURE ...]   (under horovodrun -np 2)
+Usage: horovod_args.py OUT_DIR FEATURE [FEATURE ...]   (under horovodrun -np 2)
 
 For each feature, trains 6 steps with horovod.torch.DistributedOptimizer, then with ours at
-width 1 and width 2 (codec none), and prints one line per rank:
+width 1 and width 2 (codec none), prints one line per rank and appends it as JSON to
+OUT_DIR/rank<r>.jsonl (the launcher may split long lines of two ranks into each other):
 
   RESULT rank<r> <feature> horovod=<outcome> w1=<outcome> w2=<outcome>
 
@@ -11,8 +12,10 @@ where an outcome is ``ok``, ``ok(=horovod)`` (width 1 bitwise equal to Horovod's
 ``ok(differs by X)``, or ``<ErrorType>: <message>``. Features: groups_int, groups_list,
 num_groups, predivide, sparse_as_dense, sparse, adasum, process_set_self, process_set_0.
 """
+import json
 import sys
 import warnings
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
@@ -99,8 +102,11 @@ def outcome(feature, which, reference=None):
     return params, ("ok(=horovod)" if diff == 0 else f"ok(differs by {diff:.3g})") + note
 
 
-for feature in sys.argv[1:]:
+out_dir = Path(sys.argv[1])
+for feature in sys.argv[2:]:
     ref, theirs = outcome(feature, "horovod")
     _, w1 = outcome(feature, 1, ref)
     _, w2 = outcome(feature, 2, None)
     print(f"RESULT rank{rank} {feature} horovod={theirs} | w1={w1} | w2={w2}", flush=True)
+    with open(out_dir / f"rank{rank}.jsonl", "a") as results:
+        results.write(json.dumps({"feature": feature, "horovod": theirs, "w1": w1, "w2": w2}) + "\n")
