@@ -425,7 +425,7 @@ class PipelineEngine:
                 except BaseException as exc:
                     self._fail(exc)
                     raise
-                s.training = [bool(v > 0.5) for v in self.ops.to_numpy(counts).tolist()]
+                s.training = [bool(v > 0.5) for v in self.ops.host_array(counts).tolist()]
                 s.members = None
             self.stats.fp32_bytes += self.schedule.fp32_wire_bytes(s.layout, self.comm.size)
             self.stats.steps += 1

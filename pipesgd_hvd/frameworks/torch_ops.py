@@ -149,7 +149,7 @@ class TorchOps:
         return state
 
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or self.streams.cuda.device_of(x) is not None:
             raise ValueError(f"to_numpy needs a host tensor, got one on {x.device}: a transport that moves host "
                              "memory only (mpi4py) cannot reduce CUDA tensors; use the default communicator "
                              "(the pipeline channel: NCCL for CUDA tensors) or communicator='horovod'")
@@ -179,7 +179,8 @@ class TorchOps:
 
     def host_array(self, x: torch.Tensor) -> np.ndarray:
         """A host numpy copy of ``x``'s values (for checks and timing; a device tensor syncs)."""
-        return self.to_numpy(x.detach().cpu())
+        host = x.detach().cpu()
+        return (host.view(torch.int16) if host.dtype == torch.bfloat16 else host).numpy().copy()
 
     def move_like(self, x: torch.Tensor, like: Optional[torch.Tensor]) -> torch.Tensor:
         """``x`` on ``like``'s device (itself if already there): state loaded with
