@@ -81,6 +81,9 @@ class TensorOps(Protocol):
         tensor in host memory of a table that also has :meth:`MutableTensorOps.empty`. None
         otherwise (GPU and graph tensors, a table built with ``fused=False``): the codecs then
         run their tensor-op reference instead."""
+    def device_kernels(self, x: Tensor) -> Any:
+        """The fused device kernels for ``x`` (``compression/triton_kernels.py`` for a CUDA tensor
+        of a fused table, when Triton is importable), or None: host kernels or the reference."""
     def record_use(self, x: Tensor) -> None:
         """``x`` crossed streams and is used by the current one (CUDA: ``record_stream``, so the
         allocator does not hand its memory to other work before this stream has read it).

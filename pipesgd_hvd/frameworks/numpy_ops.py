@@ -153,6 +153,9 @@ class NumpyOps:
     def record_use(self, x: np.ndarray) -> None:
         return None
 
+    def device_kernels(self, x: np.ndarray) -> Any:
+        return None  # host arrays: the host kernels
+
     def host_array(self, x: np.ndarray) -> np.ndarray:
         return np.array(x)
 

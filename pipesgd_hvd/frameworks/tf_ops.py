@@ -151,6 +151,9 @@ class TensorFlowOps:
     def record_use(self, x: Any) -> None:
         return None  # TensorFlow orders its own streams
 
+    def device_kernels(self, x: Any) -> Any:
+        return None  # TensorFlow runs the reference composition (inside its graph)
+
     def move_like(self, x: Any, like: Optional[Any]) -> Any:
         return x  # TensorFlow places each op itself
 

@@ -6,6 +6,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..compression import device_kernels
 from ..schedule import eager_seed
 from ..tensor_ops import Shape
 from .torch_cuda import CudaTable, StreamRules
@@ -164,9 +165,15 @@ class TorchOps:
         return out.to(_device(like)) if like is not None else out
 
     def kernel_address(self, x: torch.Tensor) -> Optional[int]:
-        if not self.fused or x.device.type != "cpu" or not x.is_contiguous():
+        if not self.fused or x.device.type != "cpu" or not x.is_contiguous() \
+                or self.streams.cuda.device_of(x) is not None:  # a (fake) device tensor has no host address
             return None
         return x.data_ptr()
+
+    def device_kernels(self, x: torch.Tensor) -> Any:
+        if not self.fused or self.streams.cuda.device_of(x) is None:
+            return None
+        return device_kernels.load()
 
     def copy_into_(self, dst: torch.Tensor, offset: int, src: torch.Tensor) -> None:
         dst.narrow(0, offset, src.numel()).copy_(src.reshape(-1))
