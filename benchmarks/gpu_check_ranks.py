@@ -55,7 +55,7 @@ def train(opt_for: Callable[[torch.nn.Module], Any], device: str, rank: int, ste
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     opt.flush()
     return model, losses
 
