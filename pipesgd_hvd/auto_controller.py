@@ -20,7 +20,7 @@ and supplies ``rebuild(width, compression)``, which closes the engine and builds
   time the reductions themselves, synchronously, on the step's averaged gradient: the float32
   all-reduce first, then each candidate codec's compressed all-reduce, least lossy first (one
   warm-up, which also lines the ranks up, then the median of ``repeats``; with the CPU time the
-  rank spent). After each, one small ``allgather_object`` takes the slowest rank's numbers, and
+  rank spent, or on a GPU the codec's own GPU time, timed with CUDA events). After each, one small ``allgather_object`` takes the slowest rank's numbers, and
   the loop stops as soon as the lossier codecs cannot change the choice
   (:func:`~pipesgd_hvd.auto.settled`): every rank runs the same collectives and decides the same
   from the same numbers (:func:`~pipesgd_hvd.auto.decide_fixed`). If the choice differs from the
