@@ -20,7 +20,7 @@ and supplies ``rebuild(width, compression)``, which closes the engine and builds
   time the reductions themselves, synchronously, on the step's averaged gradient: the float32
   all-reduce first, then each candidate codec's compressed all-reduce, least lossy first (one
   warm-up, which also lines the ranks up, then the median of ``repeats``; with the CPU time the
-  rank spent). After each, one small ``allgather_object`` takes the slowest rank's numbers, and
+  rank spent, or on a GPU the codec's own GPU time, timed with CUDA events). After each, one small ``allgather_object`` takes the slowest rank's numbers, and
   the loop stops as soon as the lossier codecs cannot change the choice
   (:func:`~pipesgd_hvd.auto.settled`): every rank runs the same collectives and decides the same
   from the same numbers (:func:`~pipesgd_hvd.auto.decide_fixed`). If the choice differs from the
@@ -53,7 +53,8 @@ from .auto import CANDIDATES, TOLERANCE, Decision, Measurements, decide_fixed, s
 from .timing import CODECS
 from .comm.base import Communicator
 from .compression import resolve_compression
-from .compression.allreduce import reduce_bucket
+from .comm.base import DoneHandle
+from .compression.allreduce import compressed_allreduce, reduce_bucket
 from .compression.codecs import Codec
 from .engine import AppliedStep
 from .fusion import TensorSpec
@@ -146,18 +147,52 @@ class Probe(Protocol):
     """Times one reduction (tests inject scripted numbers)."""
 
     def reduction(self, comm: Communicator, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> Tuple[float, float]:
-        """(seconds, CPU seconds of this process) of one synchronous reduction of ``flat`` with
-        ``codec``, as the engine runs it. Collective."""
+        """(seconds, what it costs compute) of one synchronous reduction of ``flat`` with ``codec``,
+        as the engine runs it: the process's CPU seconds on host tensors, the codec's GPU seconds
+        on device tensors. Collective."""
         ...
 
 
 def _block(ops: MutableTensorOps, x: Tensor) -> None:
-    """Wait until ``x`` is computed (reading one element to the host syncs a GPU)."""
-    ops.to_numpy(ops.reshape(x, (-1,))[:1])
+    """Wait until ``x`` is computed (a host copy of one element syncs a GPU's stream)."""
+    ops.host_array(ops.reshape(x, (-1,))[:1])
+
+
+class _Loopback:
+    """A communicator of ``size`` ranks that moves nothing: the compressed all-reduce over it runs
+    exactly the codec's own kernels (plus one copy for the gathered rows), for timing them."""
+
+    rank = 0
+
+    def __init__(self, ops: MutableTensorOps, size: int) -> None:
+        self._ops, self.size = ops, size
+
+    def alltoall_async(self, x: Tensor, name: str) -> DoneHandle:
+        return DoneHandle(x)
+
+    def allgather_async(self, x: Tensor, name: str) -> DoneHandle:
+        return DoneHandle(self._ops.concat([x] * self.size, 0))
+
+
+def codec_device_seconds(ops: MutableTensorOps, codec: Codec, flat: Tensor, size: int) -> Optional[float]:
+    """GPU seconds of ``codec``'s own work in one reduction of ``flat`` over ``size`` ranks (encode,
+    decode+sum, encode, decode), timed with events on the current stream; None for a host tensor.
+    On a GPU this, not the process's CPU time, is what the codec takes from compute: its kernels
+    share the device with the training step's."""
+    codec = copy.deepcopy(codec)
+
+    def work() -> Any:
+        if codec.summable:
+            return codec.decode(ops, *codec.encode(ops, flat, key="timing", seed=Seed(0)))
+        return compressed_allreduce(ops, _Loopback(ops, size), codec, flat, name="timing", key="timing", seed=0)
+
+    work()  # warm-up: kernels compiled and the allocator's blocks in place
+    return ops.device_seconds(flat, work)[1]
 
 
 class TimingProbe:
-    """Wall-clock and process CPU timings of the real reductions."""
+    """Wall-clock timings of the real reductions, and what each costs compute: the process's CPU
+    time on host tensors, the codec's GPU time (CUDA events) on device tensors."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter,
                  cpu_clock: Callable[[], float] = time.process_time, repeats: int = 3) -> None:
@@ -179,7 +214,8 @@ class TimingProbe:
             _block(ops, out)
             times.append(self.clock() - start)
             cpu.append(self.cpu_clock() - cpu_start)
-        return statistics.median(times), statistics.median(cpu)
+        on_device = codec_device_seconds(ops, codec, flat, comm.size)
+        return statistics.median(times), (statistics.median(cpu) if on_device is None else on_device)
 
 
 @dataclass(frozen=True)

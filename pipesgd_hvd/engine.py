@@ -345,7 +345,9 @@ class PipelineEngine:
                                  prescale=prescale, postscale=postscale)
 
         # Byte codecs: encode, alltoall, sum, allgather, decode, all on the comm thread (on GPU on
-        # its own stream), so neither the codec work nor the blocking waits hold up compute.
+        # its own stream of the bucket's device), so neither the codec work nor the blocking waits
+        # hold up compute. Buffers crossing between the streams are recorded on the one that reads
+        # them (frameworks/torch_cuda.py says why).
         marker = ops.ready_marker(flat)
         abort = self._abort
         comm = _AbortableComm(self.comm, abort)
@@ -354,8 +356,9 @@ class PipelineEngine:
             if abort.is_set():
                 raise RuntimeError(f"{name} was not started: an earlier reduction on this rank failed")
             try:
-                with ops.stream_guard():
+                with ops.stream_guard(flat):
                     ops.wait_marker(marker)
+                    ops.record_use(flat)
                     out, sent = reduce_bucket(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
                                               prescale=prescale, postscale=postscale).wait()
                     return out, sent, ops.ready_marker(out)
@@ -368,6 +371,7 @@ class PipelineEngine:
         def wait() -> Tuple[Tensor, int]:
             out, sent, done = future.result()
             ops.wait_marker(done)
+            ops.record_use(out)
             return out, sent
 
         return Reduction(wait)
@@ -421,7 +425,7 @@ class PipelineEngine:
                 except BaseException as exc:
                     self._fail(exc)
                     raise
-                s.training = [bool(v > 0.5) for v in self.ops.to_numpy(counts).tolist()]
+                s.training = [bool(v > 0.5) for v in self.ops.host_array(counts).tolist()]
                 s.members = None
             self.stats.fp32_bytes += self.schedule.fp32_wire_bytes(s.layout, self.comm.size)
             self.stats.steps += 1
@@ -460,7 +464,7 @@ class PipelineEngine:
             applied = self._finish(s)
             steps.append(s.step)
             for i in sorted(applied.grads):
-                digest.update(checksum(self.ops.to_numpy(self.ops.read(applied.grads[i]))))
+                digest.update(checksum(self.ops.host_array(self.ops.read(applied.grads[i]))))
         return self._step, steps, digest.hexdigest()
 
     def adopt(self, state: Dict[str, Any]) -> None:
@@ -487,7 +491,9 @@ class PipelineEngine:
             missing = [n for n in entry["grads"] if n not in by_name]
             if missing:
                 raise ValueError(f"checkpoint holds in-flight gradients for unknown tensors {missing}")
-            grads = {by_name[n]: self.ops.new_state(g) for n, g in entry["grads"].items()}
+            # Loaded with map_location="cpu" perhaps: each gradient goes back to its tensor's device.
+            grads = {by_name[n]: self.ops.move_like(self.ops.new_state(g), self._anchors.get(self.specs[by_name[n]].device))
+                     for n, g in entry["grads"].items()}
             layout = self.layout_for(list(grads))
             self._queue.append(_Step(entry["step"], layout, [], [], grads=grads, meta=entry["meta"]))
         self._step = int(state["step"])

@@ -21,42 +21,63 @@ from .tensor_ops import Tensor, TensorOps
 
 
 class WeightPrediction:
-    """State: the real weights w_t, the previous ones w_{t-1}, and a "started" flag, all tensors
-    (variables in a TensorFlow graph), so the same code runs eagerly and traced. Until the first
-    update the flag is off and every call leaves the parameters alone: weights broadcast from
-    rank 0 after construction are taken as they are."""
+    """State: the real weights w_t, the previous ones w_{t-1}, and a "started" flag. Until the
+    first update the flag is off and every call leaves the parameters alone: weights broadcast
+    from rank 0 after construction are taken as they are.
 
-    def __init__(self, ops: TensorOps, params: Sequence[Any]) -> None:
+    ``host_flag=False`` (a traced TensorFlow step): the flag is a tensor (a variable in the graph)
+    and the choices are ``where`` ops, so the same code runs eagerly and traced. ``host_flag=True``
+    (an eager framework): the flag is a Python bool and the choices are made on the host, so a
+    step costs no host-to-device copy of the flag and no ``where`` kernels per parameter."""
+
+    def __init__(self, ops: TensorOps, params: Sequence[Any], host_flag: bool = False) -> None:
         self.ops = ops
+        self.host_flag = host_flag
+        self._flag = False
         self.started = ops.new_state(ops.zeros((), "float32"))
         self.current: List[Tensor] = [ops.new_state(ops.read(p)) for p in params]
         self.previous: List[Tensor] = [ops.new_state(ops.read(p)) for p in params]
 
-    def _started(self) -> Tensor:
-        return self.ops.read(self.started) > 0.5
+    def _started(self) -> Any:
+        return self._flag if self.host_flag else self.ops.read(self.started) > 0.5
+
+    def _select(self, started: Any, a: Tensor, b: Tensor) -> Tensor:
+        """``a`` where started, else ``b``: on the host for a host flag, a ``where`` op otherwise."""
+        if self.host_flag:
+            return a if started else b
+        return self.ops.where(started, a, b)
+
+    def _set(self, value: bool) -> None:
+        self._flag = value
+        if not self.host_flag:
+            self.ops.assign(self.started, self.ops.full((), 1.0 if value else 0.0, "float32"))
 
     def restore(self, params: Sequence[Any]) -> None:
         """Puts the real weights back into ``params`` (before the optimizer's update)."""
         ops, started = self.ops, self._started()
+        if self.host_flag and not started:
+            return
         for p, real in zip(params, self.current):
-            ops.assign(p, ops.where(started, ops.read(real), ops.read(p)))
+            ops.assign(p, self._select(started, ops.read(real), ops.read(p)))
 
     def predict(self, params: Sequence[Any]) -> None:
         """``params`` hold the real weights w_{t+1}: keep them, write w_{t+1} + (w_{t+1} - w_t).
         On the first call w_t is taken as w_{t+1} (no update to extrapolate with yet)."""
         ops, started = self.ops, self._started()
         for prev, cur, p in zip(self.previous, self.current, params):
-            ops.assign(prev, ops.where(started, ops.read(cur), ops.read(p)))
+            ops.assign(prev, self._select(started, ops.read(cur), ops.read(p)))
             ops.assign(cur, ops.read(p))
             ops.assign(p, ops.read(cur) * 2.0 - ops.read(prev))
-        ops.assign(self.started, ops.full((), 1.0, "float32"))
+        self._set(True)
 
     def reapply(self, params: Sequence[Any]) -> None:
         """Writes the prediction again after :meth:`restore` (e.g. an evaluation at the real
         weights); bit for bit what :meth:`predict` wrote, and no third copy of the weights."""
         ops, started = self.ops, self._started()
+        if self.host_flag and not started:
+            return
         for prev, cur, p in zip(self.previous, self.current, params):
-            ops.assign(p, ops.where(started, ops.read(cur) * 2.0 - ops.read(prev), ops.read(p)))
+            ops.assign(p, self._select(started, ops.read(cur) * 2.0 - ops.read(prev), ops.read(p)))
 
     def reset(self, params: Sequence[Any]) -> None:
         """Restores the real weights and starts afresh (after a flush)."""
@@ -65,10 +86,12 @@ class WeightPrediction:
 
     def stop(self) -> None:
         """Until the next :meth:`predict`, every call leaves the parameters alone."""
-        self.ops.assign(self.started, self.ops.zeros((), "float32"))
+        self._set(False)
 
     def is_started(self) -> bool:
-        """Eagerly: whether the parameters hold a prediction (a host read of the flag)."""
+        """Eagerly: whether the parameters hold a prediction (a host read of a tensor flag)."""
+        if self.host_flag:
+            return self._flag
         return bool(self.ops.to_numpy(self.ops.read(self.started)) > 0.5)
 
     def state(self) -> List[Tensor]:
@@ -77,7 +100,7 @@ class WeightPrediction:
     def state_dict(self, names: Sequence[str]) -> Dict[str, Any]:
         """Copies of w_t ("current") and w_{t-1} ("previous") by parameter name, and "started"."""
         ops = self.ops
-        return {"started": bool(ops.to_numpy(ops.read(self.started)) > 0.5),
+        return {"started": self.is_started(),
                 "current": {n: ops.new_state(ops.read(t)) for n, t in zip(names, self.current)},
                 "previous": {n: ops.new_state(ops.read(t)) for n, t in zip(names, self.previous)}}
 
@@ -92,5 +115,5 @@ class WeightPrediction:
         for n, cur, prev in zip(names, self.current, self.previous):
             ops.assign(cur, state["current"][n])
             ops.assign(prev, state["previous"][n])
-        ops.assign(self.started, ops.full((), 1.0 if state["started"] else 0.0, "float32"))
+        self._set(bool(state["started"]))
         self.reapply(params)

@@ -11,7 +11,7 @@ imports a framework.
 """
 from __future__ import annotations
 
-from typing import Any, ContextManager, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, Tuple
 
 Tensor = Any  # a numpy array, torch.Tensor or tf.Tensor, depending on the table
 Shape = Tuple[int, ...]
@@ -81,6 +81,20 @@ class TensorOps(Protocol):
         tensor in host memory of a table that also has :meth:`MutableTensorOps.empty`. None
         otherwise (GPU and graph tensors, a table built with ``fused=False``): the codecs then
         run their tensor-op reference instead."""
+    def device_kernels(self, x: Tensor) -> Any:
+        """The fused device kernels for ``x`` (``compression/triton_kernels.py`` for a CUDA tensor
+        of a fused table, when Triton is importable), or None: host kernels or the reference."""
+    def record_use(self, x: Tensor) -> None:
+        """``x`` crossed streams and is used by the current one (CUDA: ``record_stream``, so the
+        allocator does not hand its memory to other work before this stream has read it).
+        No-op for host and graph tensors."""
+    def host_array(self, x: Tensor) -> Any:
+        """A host numpy copy of ``x``'s values, wherever it lives (a sync on GPU: checks, timing)."""
+    def move_like(self, x: Tensor, like: Optional[Tensor]) -> Tensor:
+        """``x`` on ``like``'s device (itself when already there or ``like`` is None)."""
+    def device_seconds(self, like: Tensor, work: Callable[[], Any]) -> Tuple[Any, Optional[float]]:
+        """(``work()``, seconds of device time it queued on ``like``'s device, timed with events),
+        or (``work()``, None) for host tensors."""
 
 
 class MutableTensorOps(TensorOps, Protocol):
@@ -92,12 +106,13 @@ class MutableTensorOps(TensorOps, Protocol):
     def fill_(self, dst: Tensor, offset: int, numel: int, value: float) -> None: ...
     def view(self, flat: Tensor, offset: int, numel: int, shape: Shape) -> Tensor:
         """A view of ``flat[offset:offset + numel]`` with ``shape`` (no copy)."""
-    def stream_guard(self) -> ContextManager[Any]:
-        """Runs codec work on a side stream (a CUDA stream on GPU, nothing on CPU)."""
+    def stream_guard(self, like: Optional[Tensor] = None) -> ContextManager[Any]:
+        """Runs codec work for ``like`` on this thread's side stream of ``like``'s device, with
+        that device current (CUDA; nothing on CPU)."""
     def ready_marker(self, like: Tensor) -> Any:
-        """Marks the current stream's position (a CUDA event on GPU, None on CPU)."""
+        """Marks the current stream's position on ``like``'s device (a CUDA event on GPU, None on CPU)."""
     def wait_marker(self, marker: Any) -> None:
-        """Makes the current stream wait for ``marker`` (no-op for None)."""
+        """Makes the current stream of the marker's device wait for it (no-op for None)."""
 
 
 def is_float_dtype(dtype: str) -> bool:

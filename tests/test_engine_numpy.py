@@ -175,7 +175,7 @@ class NumpyAdapter:
     def weights_guard(self):
         return contextlib.nullcontext()
 
-    def host_weights(self):
+    def replica_fingerprints(self):
         return [(s.name, p) for s, p in zip(SPECS, self.params)]
 
     def optimizer_state_dict(self):

@@ -1,6 +1,7 @@
 """Horovod's PyTorch ops (NCCL on GPU, Gloo or MPI on CPU) behind the Communicator protocol."""
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Callable, List, Optional, TypeVar
 
@@ -8,6 +9,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from ..frameworks.torch_ops import TORCH_OPS
 from .base import PeerLostError, PolledHandle, ReduceOp, default_timeout
 
 _HVD_OPS = {ReduceOp.SUM: hvd.Sum, ReduceOp.AVERAGE: hvd.Average}
@@ -56,13 +58,27 @@ def join_async(timeout: Optional[float] = None) -> PolledHandle:
                         timeout if timeout is not None else default_timeout())
 
 
-class HorovodTorchCommunicator:
-    """Requires ``hvd.init()`` first, like Horovod's own optimizer."""
+def async_completion_enabled() -> bool:
+    """Horovod's ``HOROVOD_ENABLE_ASYNC_COMPLETION`` (read by Horovod at ``hvd.init()``)."""
+    return os.environ.get("HOROVOD_ENABLE_ASYNC_COMPLETION", "").strip().lower() in ("1", "true", "yes", "on")
 
-    def __init__(self, timeout: Optional[float] = None) -> None:
+
+class HorovodTorchCommunicator:
+    """Requires ``hvd.init()`` first, like Horovod's own optimizer.
+
+    On CUDA: with ``HOROVOD_ENABLE_ASYNC_COMPLETION`` a finished handle only means that Horovod
+    made the device's default stream wait for the collective, so every result is followed by a
+    wait of the current stream (the pipeline's side stream, on the comm thread) for the default
+    stream (``ops.follow_default_stream``); without it Horovod has waited for the GPU on the host.
+    bfloat16 tensors (which Horovod's PyTorch ops refuse) are summed in float32 and written back."""
+
+    def __init__(self, timeout: Optional[float] = None, ops: Optional[Any] = None,
+                 async_completion: Optional[bool] = None) -> None:
         if not hvd.is_initialized():
             raise RuntimeError("Horovod is not initialized: call hvd.init() before creating the optimizer")
         self._timeout = timeout if timeout is not None else default_timeout()
+        self._ops = ops if ops is not None else TORCH_OPS
+        self._async = async_completion_enabled() if async_completion is None else async_completion
 
     @property
     def rank(self) -> int:
@@ -72,19 +88,26 @@ class HorovodTorchCommunicator:
     def size(self) -> int:
         return hvd.size()
 
-    def _handle(self, handle: int, what: str, pick: Any = None) -> PolledHandle:
+    def _handle(self, handle: int, what: str, pick: Any = None,
+                after: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> PolledHandle:
         def finish() -> Any:
             out = _translated(lambda: hvd.synchronize(handle), what)
-            return out[0] if pick == "first" else out
+            out = out[0] if pick == "first" else out
+            if self._async:
+                self._ops.follow_default_stream(out)
+            return after(out) if after is not None else out
 
         return PolledHandle(lambda: _translated(lambda: hvd.poll(handle), what), finish, what, self._timeout)
 
     def allreduce_async_(self, x: torch.Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
                          prescale: float = 1.0, postscale: float = 1.0) -> PolledHandle:
         what = f"allreduce '{name}'"
-        handle = _translated(lambda: hvd.allreduce_async_(x, name=name, op=_HVD_OPS[op], prescale_factor=prescale,
+        # Horovod has no bfloat16 ops for PyTorch ("Tensor type torch.BFloat16Tensor is not
+        # supported"): sum a float32 copy, as the compressed path sums, and round once back into x.
+        work = x.float() if x.dtype == torch.bfloat16 else x
+        handle = _translated(lambda: hvd.allreduce_async_(work, name=name, op=_HVD_OPS[op], prescale_factor=prescale,
                                                           postscale_factor=postscale), what)
-        return self._handle(handle, what)
+        return self._handle(handle, what, after=None if work is x else lambda out: x.copy_(out))
 
     def alltoall_async(self, x: torch.Tensor, name: str) -> PolledHandle:
         # splits=None: equal rows to every rank; synchronize returns (output, received_splits).

@@ -18,6 +18,10 @@ _MPI_SUMMABLE = ("float32", "float64")
 
 
 class Mpi4pyCommunicator:
+    # Moves host buffers only (zero-copy numpy views, reduced in place): the optimizer refuses
+    # CUDA parameters with it at construction instead of failing inside a backward hook.
+    host_only = True
+
     def __init__(self, ops: MutableTensorOps, comm: Optional[Any] = None,
                  timeout: Optional[float] = None) -> None:
         self._ops = ops

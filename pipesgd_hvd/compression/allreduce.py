@@ -72,12 +72,16 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
         values = ops.concat([values, ops.zeros((size * cols - n,), "float32", like=x)], 0)
     rows = ops.reshape(values, (size, cols))
 
+    # The transport's outputs may come from its own stream's memory (Horovod allocates them on its
+    # thread); they are decoded on this one, so they are recorded here (see frameworks/torch_cuda.py).
     payload, ctx = codec.encode(ops, rows, key=f"{key}/send", seed=seed.child("send"))
     received = comm.alltoall_async(payload, f"{name}.a2a").wait()
+    ops.record_use(received)
     total = codec.decode_sum(ops, received, ctx, postscale_factor(op, postscale, size))
 
     reduced, ctx2 = codec.encode(ops, total, key=f"{key}/reduced", seed=seed.child("reduced"))
     gathered = comm.allgather_async(reduced, f"{name}.ag").wait()
+    ops.record_use(gathered)
     out = ops.reshape(codec.decode(ops, gathered, ctx2), (size * cols,))[:n]
 
     row_bytes = ops.shape(payload)[1] * ITEMSIZE["uint8"]

@@ -33,6 +33,10 @@ class ErrorFeedback(Codec):
         residual = ops.read(held) if held is not None else None
         if residual is not None and ops.shape(residual) != ops.shape(x):
             held = residual = None  # the bucket layout changed (parameters frozen or added): start afresh
+        if residual is not None:
+            moved = ops.move_like(residual, x)  # loaded with map_location="cpu": back to the bucket's device
+            if moved is not residual:
+                held = residual = self._residuals[key] = ops.new_state(moved)
         # One pass where the codec has a fused kernel: it may update the residual in place.
         payload, ctx, error = self.codec.encode_ef(ops, x, residual, key=key, seed=seed)
         if held is None:

@@ -10,14 +10,16 @@ Each function here returns ``None`` when the kernels cannot take the call: the e
 built, or a tensor is not a C-contiguous host buffer of the expected dtype (a CUDA tensor, a
 TensorFlow graph tensor, a table built with ``fused=False``). The codec then runs its unfused
 tensor-op composition, which is the reference the kernels are tested against bit for bit
-(tests/test_codec_kernels.py). Written once for every table: the only per-framework piece is
-``TensorOps.kernel_address``.
+(tests/test_codec_kernels.py). Written once for every table: the only per-framework pieces are
+``TensorOps.kernel_address`` and ``TensorOps.device_kernels`` (CUDA tensors go to the Triton
+twins of these kernels, ``triton_kernels.py``, when Triton is importable).
 """
 from __future__ import annotations
 
 import enum
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import List, Optional, Sequence, Tuple
 
 from ..tensor_ops import Shape, Tensor, TensorOps
@@ -68,8 +70,14 @@ def _usable(ops: TensorOps, x: Tensor) -> bool:
 
 
 def accepts(ops: TensorOps, x: Tensor) -> bool:
-    """Whether the kernels can encode ``x`` (a host float32 tensor of a table that allows them)."""
-    return ops.dtype_name(x) == "float32" and _usable(ops, x)
+    """Whether the kernels can encode ``x`` (a float32 tensor of a table that allows them: on the
+    host, or on a device that has kernels of its own)."""
+    return ops.dtype_name(x) == "float32" and (ops.device_kernels(x) is not None or _usable(ops, x))
+
+
+def _on_device(ops: TensorOps, x: Tensor) -> Optional[ModuleType]:
+    """The device kernels for ``x`` (the Triton module for CUDA tensors), or None: host or reference."""
+    return ops.device_kernels(x)
 
 
 def row_bytes(kind: Kind, cols: int, width: int, bits: int) -> int:
@@ -117,6 +125,10 @@ def quantize_encode(ops: TensorOps, x: Tensor, *, width: int, bits: int, noise: 
     With ``error_feedback`` the new residual ``y - decode(encode(y))`` (non-finite values set to 0)
     is written into ``residual`` in place, or into a new tensor when ``residual`` is None.
     """
+    device = _on_device(ops, x)
+    if device is not None and ops.dtype_name(x) == "float32":
+        return device.quantize_encode(x, width=width, bits=bits, noise=noise, residual=residual,
+                                      error_feedback=error_feedback)
     rows, cols = shape = ops.shape(x)
     addresses = _addresses(ops, [(x, "float32", shape), (residual, "float32", shape), (noise, "float32", shape)])
     if addresses is None:
@@ -154,6 +166,9 @@ def _payload_address(ops: TensorOps, payload: Tensor, kind: Kind, cols: int, wid
 def decode(ops: TensorOps, payload: Tensor, kind: Kind, *, cols: int, width: int = 0,
            bits: int = 0) -> Optional[Tensor]:
     """uint8 rows -> float32 rows ``[rows, cols]``."""
+    device = _on_device(ops, payload)
+    if device is not None:  # casts decode in one pass already; quantizers have a kernel
+        return device.quantize_decode(payload, cols=cols, width=width, bits=bits) if kind == Kind.QUANTIZE else None
     at = _payload_address(ops, payload, kind, cols, width, bits)
     if at is None:
         return None
@@ -167,6 +182,13 @@ def decode_sum(ops: TensorOps, payload: Tensor, kind: Kind, *, cols: int, scale:
                bits: int = 0) -> Optional[Tensor]:
     """uint8 rows -> ``[1, cols]`` float32: ``((0 + row0) + row1) + ...`` in rank order, then
     ``* scale`` unless it is 1 (float32 arithmetic, the reference's order of operations)."""
+    device = _on_device(ops, payload)
+    if device is not None:
+        if kind == Kind.QUANTIZE:
+            return device.quantize_decode_sum(payload, cols=cols, width=width, bits=bits, scale=scale)
+        if kind in (Kind.FP16, Kind.BF16):
+            return device.cast_decode_sum(payload, cols=cols, bf16=kind == Kind.BF16, scale=scale)
+        return None
     at = _payload_address(ops, payload, kind, cols, width, bits)
     if at is None or ops.shape(payload)[0] < 1:
         return None

@@ -59,6 +59,10 @@ class Pipeline(Protocol):
 class PipelineLifecycle:
     """The pipeline of one optimizer, from construction to interpreter exit (module docstring)."""
 
+    # True where every step runs in Python (PyTorch): per-step flags then stay on the host; False
+    # where the step is traced (Keras), so they must be graph variables.
+    eager_steps = False
+
     def __init__(self, options: PipelineOptions, names: Sequence[str], comm: Communicator, ops: TensorOps,
                  comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         """``comm_factory``: builds the transport again for a new Horovod elastic world
@@ -139,7 +143,7 @@ class PipelineLifecycle:
         if self.options.staleness_correction is None:
             return None
         with self.weights_guard():
-            return WeightPrediction(self.ops, self.weights())
+            return WeightPrediction(self.ops, self.weights(), host_flag=self.eager_steps)
 
     # ------------------------------------------------------------------------ checkpointing
     def compose_state(self) -> Dict[str, Any]:

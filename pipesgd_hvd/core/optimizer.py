@@ -48,14 +48,15 @@ class TrainingAdapter(Protocol):
     def has_local_gradient(self, index: int) -> bool: ...
     def local_gradient(self, index: int) -> Tensor:
         """This rank's gradient of the tensor (it has one), checked and dense."""
-    def write_gradients(self, grads: Dict[int, Tensor], scale: float) -> None:
-        """Put the averaged gradients (times ``scale``) where the update reads them; tensors
-        missing from ``grads`` get none."""
+    def write_gradients(self, grads: Dict[int, Tensor], scale: Any) -> None:
+        """Put the averaged gradients (times ``scale``: a float, 1.0 for none, or a 0-d tensor)
+        where the update reads them; tensors missing from ``grads`` get none."""
     def zero_gradients(self) -> None: ...
     def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Run the wrapped optimizer's update on the written gradients."""
-    def loss_scale(self) -> Optional[float]:
-        """The AMP loss scale now (None without one)."""
+    def loss_scale(self) -> Any:
+        """The AMP loss scale now (None without one): a float, or a 0-d tensor on the device
+        where the framework keeps it (the ratio of two scales is then computed there, no sync)."""
     def gradients_finite(self) -> bool: ...
     def gradients_all_zero(self) -> bool:
         """Every present gradient is zero (how Horovod's broadcast_optimizer_state creates state)."""
@@ -64,8 +65,9 @@ class TrainingAdapter(Protocol):
     def weights(self) -> List[Tensor]:
         """The tensors themselves (weight prediction writes them, inside ``weights_guard()``)."""
     def weights_guard(self) -> ContextManager[Any]: ...
-    def host_weights(self) -> List[Tuple[str, Any]]:
-        """(name, host array) per tensor, for the replica check."""
+    def replica_fingerprints(self) -> List[Tuple[str, Any]]:
+        """(name, host array) per tensor for the replica check: arrays that are equal iff the
+        tensors are bitwise equal (the values, or a fingerprint computed on the device)."""
     def optimizer_state_dict(self) -> Dict[str, Any]: ...
     def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None: ...
     def watch_gradients(self, ready: Callable[[int], None]) -> None:
@@ -94,6 +96,8 @@ SYNCHRONIZE_THEN_STEP = ("optimizer.step() called without optimizer.skip_synchro
 
 class OptimizerCore(PipelineLifecycle):
     """One pipelined optimizer's state and per-step policy (see the module docstring)."""
+
+    eager_steps = True
 
     def __init__(self, options: PipelineOptions, names: Sequence[str], adapter: TrainingAdapter,
                  comm: Communicator, comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
@@ -178,7 +182,7 @@ class OptimizerCore(PipelineLifecycle):
             self.auto_controller.reduction_started()
         engine = self.engine
         if engine.replica_check_due():  # weights after the previous step's update, on every rank
-            engine.check_replicas(self.adapter.host_weights())
+            engine.check_replicas(self.adapter.replica_fingerprints())
         trainable = self.adapter.trainable()
         if not engine.step_open:
             if not any(self.adapter.has_local_gradient(i) for i in trainable):
@@ -281,8 +285,8 @@ class OptimizerCore(PipelineLifecycle):
     def _write(self, applied: AppliedStep, unscale: bool = False) -> None:
         """The gradients of ``applied``, rescaled by the ratio of loss scales (now / when they were
         computed; 1 when ``unscale``: the caller wants them unscaled)."""
-        ratio = 1.0
-        if applied.meta is not None:
+        ratio: Any = 1.0
+        if applied.meta is not None:  # floats, or device tensors divided on the device (no sync)
             now = 1.0 if unscale else self.adapter.loss_scale()
             ratio = now / applied.meta
         self.adapter.write_gradients(applied.grads, ratio)

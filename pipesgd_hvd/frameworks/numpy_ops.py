@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -150,7 +150,22 @@ class NumpyOps:
     def view(self, flat: np.ndarray, offset: int, numel: int, shape: Shape) -> np.ndarray:
         return flat[offset:offset + numel].reshape(shape)
 
-    def stream_guard(self) -> ContextManager[Any]:
+    def record_use(self, x: np.ndarray) -> None:
+        return None
+
+    def device_kernels(self, x: np.ndarray) -> Any:
+        return None  # host arrays: the host kernels
+
+    def host_array(self, x: np.ndarray) -> np.ndarray:
+        return np.array(x)
+
+    def move_like(self, x: np.ndarray, like: Optional[np.ndarray]) -> np.ndarray:
+        return x
+
+    def device_seconds(self, like: np.ndarray, work: Callable[[], Any]) -> Tuple[Any, Optional[float]]:
+        return work(), None
+
+    def stream_guard(self, like: Optional[np.ndarray] = None) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
     def ready_marker(self, like: np.ndarray) -> Any:

@@ -20,6 +20,7 @@ from ..compression import Compression
 from ..config import WireStats
 from ..core.options import PipelineOptions
 from ..fusion import DEFAULT_FUSION_THRESHOLD
+from .keras_xla import calling_model, check_not_xla_compiled
 from .tf_core import KerasCore, variable_name
 from .tf_pipeline import GraphPipeline
 
@@ -37,6 +38,9 @@ class _PipelinedOptimizer:
     _pipesgd: Optional[GraphPipeline]  # tracked, so tf.train.Checkpoint saves the pipeline's variables
 
     def build(self, variables: Sequence[Any]) -> None:
+        model = calling_model()  # fit() builds the optimizer: refuse an XLA-compiled step now, with the fix
+        if model is not None:
+            check_not_xla_compiled(model)
         super().build(variables)  # type: ignore[misc]
         comm = self._pipesgd_options.communicator
         if comm is None:

@@ -6,7 +6,7 @@ lives in the graph and is saved by ``tf.train.Checkpoint`` like any other variab
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -147,6 +147,21 @@ class TensorFlowOps:
         # A graph tensor has no address, and an eager one would need copies in and out of numpy
         # (TensorFlow owns its buffers): TensorFlow runs the codecs' tensor-op composition.
         return None
+
+    def record_use(self, x: Any) -> None:
+        return None  # TensorFlow orders its own streams
+
+    def device_kernels(self, x: Any) -> Any:
+        return None  # TensorFlow runs the reference composition (inside its graph)
+
+    def move_like(self, x: Any, like: Optional[Any]) -> Any:
+        return x  # TensorFlow places each op itself
+
+    def host_array(self, x: Any) -> np.ndarray:
+        return np.array(x.numpy())
+
+    def device_seconds(self, like: Any, work: Callable[[], Any]) -> Tuple[Any, Optional[float]]:
+        return work(), None  # the auto mode keeps the process's CPU time here
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return x.numpy()

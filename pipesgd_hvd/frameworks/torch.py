@@ -115,6 +115,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._adapter = TorchAdapter(optimizer, named, sparse_as_dense, grad_scaler)
         comm, factory = (communicator, None) if communicator is not None and not isinstance(communicator, str) \
             else default_communicator(communicator, collective=not is_elastic_job())
+        checks.check_transport_devices(comm, named)
         self._core = OptimizerCore(options, [n for n, _ in named], self._adapter, comm, factory)
         self.backward_passes_per_step = options.backward_passes_per_step
         self.sparse_as_dense = sparse_as_dense

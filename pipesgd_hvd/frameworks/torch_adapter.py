@@ -9,6 +9,7 @@ import torch
 
 from ..fusion import TensorSpec
 from . import torch_checks as checks
+from .torch_fingerprint import host_fingerprints
 from .torch_ops import TORCH_OPS, dtype_name
 
 
@@ -45,8 +46,8 @@ class TorchAdapter:
     def weights_guard(self) -> ContextManager[Any]:
         return torch.no_grad()
 
-    def host_weights(self) -> List[Tuple[str, Any]]:
-        return [(name, TORCH_OPS.to_numpy(p.detach().cpu())) for name, p in self.named]
+    def replica_fingerprints(self) -> List[Tuple[str, Any]]:
+        return host_fingerprints(self.named)  # computed on the device; one small copy
 
     # ------------------------------------------------------------------------------ gradients
     def watch_gradients(self, ready: Callable[[int], None]) -> None:
@@ -77,7 +78,7 @@ class TorchAdapter:
             if g is None:
                 p.grad = None
                 continue
-            if scale != 1.0:
+            if not (isinstance(scale, float) and scale == 1.0):  # a device tensor is never compared (a sync)
                 g = g * scale
             if i in self._sparse:  # optimizers such as SparseAdam take sparse gradients only
                 p.grad = g.to_sparse()
@@ -93,17 +94,28 @@ class TorchAdapter:
                 p.grad.zero_()
 
     def gradients_finite(self) -> bool:
-        return all(bool(torch.isfinite(p.grad).all()) for p in self.params if p.grad is not None)
+        # One host read for all of them, not one per parameter.
+        return _all_true([torch.isfinite(p.grad).all() for p in self.params if p.grad is not None])
 
     def gradients_all_zero(self) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
-        return bool(grads) and all(not g.is_sparse and not bool(g.any()) for g in grads)
+        if not grads or any(g.is_sparse for g in grads):
+            return False
+        return _all_true([~g.any() for g in grads])
 
     def optimizer_has_state(self) -> bool:
         return len(self.optimizer.state) > 0
 
-    def loss_scale(self) -> Optional[float]:
-        return float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else None
+    def loss_scale(self) -> Any:
+        """The scaler's scale now: a copy of torch's GradScaler's own scale tensor where it has
+        one (``get_scale()`` reads it to the host, a sync, twice per step), else a float."""
+        if self.grad_scaler is None:
+            return None
+        on_device = getattr(self.grad_scaler, "_get_scale_async", None)  # torch.amp.GradScaler's
+        scale = on_device() if callable(on_device) else None
+        if isinstance(scale, torch.Tensor):
+            return scale.detach().reshape(()).clone()  # the scaler updates its tensor in place
+        return float(self.grad_scaler.get_scale())
 
     # --------------------------------------------------------------------- the wrapped optimizer
     def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -114,6 +126,14 @@ class TorchAdapter:
 
     def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def _all_true(flags: List[torch.Tensor]) -> bool:
+    """Whether every 0-d bool tensor is true, read to the host once (per device)."""
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for flag in flags:
+        by_device.setdefault(flag.device, []).append(flag)
+    return all(bool(torch.stack(group).all()) for group in by_device.values())
 
 
 def _hook(callback: "weakref.WeakMethod[Callable[[int], None]]", index: int) -> Callable[[torch.Tensor], None]:

@@ -93,6 +93,20 @@ def check_communicator(comm: Any) -> None:
                         f"{type(comm).__name__} lacks {', '.join(missing) or 'rank/size'}")
 
 
+def check_transport_devices(comm: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+    """A transport that moves host memory only (``host_only``: mpi4py) cannot reduce CUDA tensors;
+    say so now, with the fix, rather than from inside the first backward pass."""
+    if not getattr(comm, "host_only", False):
+        return
+    on_device = [(name, p.device) for name, p in named if p.device.type != "cpu"]
+    if on_device:
+        name, device = on_device[0]
+        raise ValueError(f"communicator {type(comm).__name__} moves host memory only, but parameter '{name}' is on "
+                         f"{device} ({len(on_device)} parameter(s) off the CPU): use the default communicator (the "
+                         "pipeline channel, NCCL for CUDA tensors) or communicator='horovod' (Horovod built with "
+                         "HOROVOD_GPU_OPERATIONS=NCCL), or keep the model on the CPU with communicator='mpi4py'")
+
+
 def check_grad_scaler(scaler: Any) -> None:
     if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("get_scale", "unscale_")):
         raise TypeError(f"grad_scaler must be the torch.amp.GradScaler in use (or None), got {type(scaler).__name__}")

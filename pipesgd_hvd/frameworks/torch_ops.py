@@ -1,15 +1,15 @@
 """TensorOps for PyTorch tensors, on CPU or CUDA (codec work goes to a side CUDA stream)."""
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, ContextManager, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ..compression import device_kernels
 from ..schedule import eager_seed
 from ..tensor_ops import Shape
+from .torch_cuda import CudaTable, StreamRules
 
 _DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -42,9 +42,10 @@ def _device(like: Optional[torch.Tensor]) -> torch.device:
 class TorchOps:
     name = "torch"
 
-    def __init__(self, fused: bool = True) -> None:
-        # One side stream per device and thread that runs codec work (the engine's comm thread).
-        self._streams = threading.local()
+    def __init__(self, fused: bool = True, cuda: Optional[CudaTable] = None) -> None:
+        # Side streams per (device, thread), markers, record_stream: frameworks/torch_cuda.py.
+        # ``cuda``: a fake CUDA table for tests of those rules on a CPU-only machine.
+        self.streams = StreamRules(cuda)
         self.fused = fused  # False: codecs run their unfused tensor-op reference (the tests' baseline)
 
     def dtype_name(self, x: torch.Tensor) -> str:
@@ -149,8 +150,10 @@ class TorchOps:
         return state
 
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
-        if x.device.type != "cpu":
-            raise ValueError("to_numpy needs a host tensor; this communicator works on CPU tensors only")
+        if x.device.type != "cpu" or self.streams.cuda.device_of(x) is not None:
+            raise ValueError(f"to_numpy needs a host tensor, got one on {x.device}: a transport that moves host "
+                             "memory only (mpi4py) cannot reduce CUDA tensors; use the default communicator "
+                             "(the pipeline channel: NCCL for CUDA tensors) or communicator='horovod'")
         if x.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw bits
             return x.view(torch.int16).numpy()
         return x.numpy()
@@ -162,9 +165,15 @@ class TorchOps:
         return out.to(_device(like)) if like is not None else out
 
     def kernel_address(self, x: torch.Tensor) -> Optional[int]:
-        if not self.fused or x.device.type != "cpu" or not x.is_contiguous():
+        if not self.fused or x.device.type != "cpu" or not x.is_contiguous() \
+                or self.streams.cuda.device_of(x) is not None:  # a (fake) device tensor has no host address
             return None
         return x.data_ptr()
+
+    def device_kernels(self, x: torch.Tensor) -> Any:
+        if not self.fused or self.streams.cuda.device_of(x) is None:
+            return None
+        return device_kernels.load()
 
     def copy_into_(self, dst: torch.Tensor, offset: int, src: torch.Tensor) -> None:
         dst.narrow(0, offset, src.numel()).copy_(src.reshape(-1))
@@ -175,27 +184,38 @@ class TorchOps:
     def view(self, flat: torch.Tensor, offset: int, numel: int, shape: Shape) -> torch.Tensor:
         return flat.narrow(0, offset, numel).view(shape)
 
-    def _side_stream(self) -> Any:
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream()
-        return stream
+    def host_array(self, x: torch.Tensor) -> np.ndarray:
+        """A host numpy copy of ``x``'s values (for checks and timing; a device tensor syncs)."""
+        host = x.detach().cpu()
+        return (host.view(torch.int16) if host.dtype == torch.bfloat16 else host).numpy().copy()
 
-    def stream_guard(self) -> ContextManager[Any]:
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._side_stream())
+    def move_like(self, x: torch.Tensor, like: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x`` on ``like``'s device (itself if already there): state loaded with
+        ``map_location="cpu"`` goes back next to the bucket it belongs to."""
+        if like is None or x.device == like.device:
+            return x
+        return x.to(like.device)
+
+    # ---------------------------------------------------------------- streams (torch_cuda.py)
+    def stream_guard(self, like: Optional[torch.Tensor] = None) -> ContextManager[Any]:
+        return self.streams.guard(like)
 
     def ready_marker(self, like: torch.Tensor) -> Any:
-        if like.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(like.device))
-        return event
+        return self.streams.ready_marker(like)
 
     def wait_marker(self, marker: Any) -> None:
-        if marker is not None:
-            torch.cuda.current_stream().wait_event(marker)
+        self.streams.wait_marker(marker)
 
+    def record_use(self, x: torch.Tensor) -> None:
+        self.streams.record_use(x)
+
+    def follow_default_stream(self, x: torch.Tensor) -> None:
+        self.streams.follow_default_stream(x)
+
+    def wait_ready(self, x: torch.Tensor) -> None:
+        self.streams.wait_ready(x)
+
+    def device_seconds(self, like: torch.Tensor, work: Callable[[], Any]) -> Tuple[Any, Optional[float]]:
+        return self.streams.device_seconds(like, work)
 
 TORCH_OPS = TorchOps()

@@ -1,0 +1,222 @@
+"""Fused GPU kernels of the byte codecs, in Triton: the CUDA twins of ``_kernels.c``.
+
+* ``quantize_encode``: ``y = x + residual``, per block ``max|y|``, codes, the payload row (scales
+  then codes, two codes per byte at 4 bits) and, with error feedback, the new residual
+  ``y - decode(encode(y))`` (non-finite set to 0), in one read of ``x`` and the residual.
+* ``decode`` / ``decode_sum``: payload rows -> float32 rows, or their sum in rank order from +0
+  (then ``* scale``), in one read of the codes.
+* ``decode_sum`` of the 16-bit casts (fp16, bf16): one read instead of decode, then sum.
+
+The arithmetic is the reference's, operation for operation (``compression/codecs.py``): correctly
+rounded division (``div_rn``; Triton's ``/`` is approximate), round half to even (``rint``),
+and no fused multiply-add (``enable_fp_fusion=False``: ``y - q * s`` must round the product
+first), so nearest rounding gives the reference's bits. benchmarks/gpu_check.py compares them
+bit for bit with the CPU reference on a GPU.
+
+Status: written without a GPU (this project's machines have none); kept deliberately simple:
+one program per (row, block) or per column tile, no autotuning. Imported only through
+``compression/device_kernels.py``, only for CUDA tensors, only when ``triton`` is importable;
+anything else runs the reference ops. Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # where libdevice lives moved between Triton releases
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older Triton
+    from triton.language.extra.cuda import libdevice
+
+# Globals a @triton.jit function reads must be constexpr.
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_NAN = tl.constexpr(float("nan"))
+_CAST_TILE = 1024
+
+
+def _pow2(n: int) -> int:
+    return max(1, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _nonfinite(y):
+    return (y != y) | (tl.abs(y) > _FLT_MAX)
+
+
+@triton.jit
+def _quantize_encode_kernel(x_ptr, r_ptr, noise_ptr, out_r_ptr, payload_ptr, cols, row_bytes, nblocks, width,
+                            LEVELS: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr, HAS_R: tl.constexpr,
+                            HAS_NOISE: tl.constexpr, EF: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // nblocks
+    blk = pid % nblocks
+    i = tl.arange(0, HALF)
+    mask = i < width // 2
+    even = row * cols + blk * width + 2 * i  # even and odd values apart: 4-bit codes pair them
+    ye = tl.load(x_ptr + even, mask=mask, other=0.0)
+    yo = tl.load(x_ptr + even + 1, mask=mask, other=0.0)
+    if HAS_R:
+        ye = ye + tl.load(r_ptr + even, mask=mask, other=0.0)
+        yo = yo + tl.load(r_ptr + even + 1, mask=mask, other=0.0)
+    amax = tl.maximum(tl.max(tl.abs(ye), axis=0), tl.max(tl.abs(yo), axis=0))
+    bad = tl.sum((_nonfinite(ye) | _nonfinite(yo)).to(tl.int32), axis=0)
+    finite = bad == 0
+    scale = tl.where(finite, amax, _NAN)
+    safe = tl.where(finite & (amax > 0), amax, 1.0)
+    qe = tl.math.div_rn(ye, safe) * LEVELS
+    qo = tl.math.div_rn(yo, safe) * LEVELS
+    if HAS_NOISE:
+        qe = tl.floor(qe + tl.load(noise_ptr + even, mask=mask, other=0.0))
+        qo = tl.floor(qo + tl.load(noise_ptr + even + 1, mask=mask, other=0.0))
+    else:
+        qe = libdevice.rint(qe)
+        qo = libdevice.rint(qo)
+    ce = tl.minimum(tl.maximum(qe + (LEVELS + 1), 1.0), 2 * LEVELS + 1.0)
+    co = tl.minimum(tl.maximum(qo + (LEVELS + 1), 1.0), 2 * LEVELS + 1.0)
+    row_at = payload_ptr + row * row_bytes
+    bits = scale.to(tl.int32, bitcast=True)  # the scale's 4 bytes, little-endian, at the row's start
+    for k in tl.static_range(4):
+        tl.store(row_at + 4 * blk + k, ((bits >> (8 * k)) & 255).to(tl.uint8))
+    codes_at = row_at + 4 * nblocks
+    if BITS == 8:
+        tl.store(codes_at + blk * width + 2 * i, ce.to(tl.uint8), mask=mask)
+        tl.store(codes_at + blk * width + 2 * i + 1, co.to(tl.uint8), mask=mask)
+    else:
+        tl.store(codes_at + blk * (width // 2) + i, (ce + co * 16.0).to(tl.uint8), mask=mask)
+    if EF:
+        re = ye - tl.math.div_rn(ce - (LEVELS + 1), LEVELS * 1.0) * scale
+        ro = yo - tl.math.div_rn(co - (LEVELS + 1), LEVELS * 1.0) * scale
+        tl.store(out_r_ptr + even, tl.where(_nonfinite(re), 0.0, re), mask=mask)
+        tl.store(out_r_ptr + even + 1, tl.where(_nonfinite(ro), 0.0, ro), mask=mask)
+
+
+@triton.jit
+def _quantize_block(payload_ptr, row, blk, row_bytes, nblocks, width, i, mask,
+                    LEVELS: tl.constexpr, BITS: tl.constexpr):
+    """(even values, odd values) of one block of one payload row."""
+    row_at = payload_ptr + row * row_bytes
+    bits = tl.load(row_at + 4 * blk).to(tl.int32)
+    for k in tl.static_range(1, 4):
+        bits = bits | (tl.load(row_at + 4 * blk + k).to(tl.int32) << (8 * k))
+    scale = bits.to(tl.float32, bitcast=True)
+    codes_at = row_at + 4 * nblocks
+    if BITS == 8:
+        ce = tl.load(codes_at + blk * width + 2 * i, mask=mask, other=0).to(tl.float32)
+        co = tl.load(codes_at + blk * width + 2 * i + 1, mask=mask, other=0).to(tl.float32)
+    else:
+        packed = tl.load(codes_at + blk * (width // 2) + i, mask=mask, other=0).to(tl.int32)
+        ce = (packed & 15).to(tl.float32)
+        co = (packed >> 4).to(tl.float32)
+    de = tl.math.div_rn(ce - (LEVELS + 1), LEVELS * 1.0) * scale
+    do = tl.math.div_rn(co - (LEVELS + 1), LEVELS * 1.0) * scale
+    return de, do
+
+
+@triton.jit
+def _quantize_decode_kernel(payload_ptr, out_ptr, cols, row_bytes, nblocks, width, LEVELS: tl.constexpr,
+                            BITS: tl.constexpr, HALF: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // nblocks
+    blk = pid % nblocks
+    i = tl.arange(0, HALF)
+    mask = i < width // 2
+    de, do = _quantize_block(payload_ptr, row, blk, row_bytes, nblocks, width, i, mask, LEVELS, BITS)
+    even = row * cols + blk * width + 2 * i
+    tl.store(out_ptr + even, de, mask=mask)
+    tl.store(out_ptr + even + 1, do, mask=mask)
+
+
+@triton.jit
+def _quantize_decode_sum_kernel(payload_ptr, out_ptr, nrows, row_bytes, nblocks, width, factor,
+                                LEVELS: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr,
+                                SCALED: tl.constexpr):
+    blk = tl.program_id(0)
+    i = tl.arange(0, HALF)
+    mask = i < width // 2
+    se = tl.zeros((HALF,), dtype=tl.float32)  # +0, then rows in rank order: the reference's sum
+    so = tl.zeros((HALF,), dtype=tl.float32)
+    for row in range(nrows):
+        de, do = _quantize_block(payload_ptr, row, blk, row_bytes, nblocks, width, i, mask, LEVELS, BITS)
+        se = se + de
+        so = so + do
+    if SCALED:
+        se = se * factor
+        so = so * factor
+    tl.store(out_ptr + blk * width + 2 * i, se, mask=mask)
+    tl.store(out_ptr + blk * width + 2 * i + 1, so, mask=mask)
+
+
+@triton.jit
+def _cast_decode_sum_kernel(halves_ptr, out_ptr, nrows, cols, factor, BF16: tl.constexpr,
+                            TILE: tl.constexpr, SCALED: tl.constexpr):
+    j = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    mask = j < cols
+    total = tl.zeros((TILE,), dtype=tl.float32)
+    for row in range(nrows):
+        raw = tl.load(halves_ptr + row * cols + j, mask=mask, other=0)
+        if BF16:
+            value = raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        else:
+            value = raw.to(tl.float16, bitcast=True).to(tl.float32)
+        total = total + value
+    if SCALED:
+        total = total * factor
+    tl.store(out_ptr + j, total, mask=mask)
+
+
+# --------------------------------------------------------------------------- entry points
+def _row_bytes(cols: int, width: int, bits: int) -> int:
+    return 4 * (cols // width) + (cols if bits == 8 else cols // 2)
+
+
+def quantize_encode(x: torch.Tensor, *, width: int, bits: int, noise: Optional[torch.Tensor] = None,
+                    residual: Optional[torch.Tensor] = None, error_feedback: bool = False
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The contract of ``kernels.quantize_encode`` for contiguous float32 CUDA rows."""
+    rows, cols = x.shape
+    x = x.contiguous()
+    nblocks = cols // width
+    payload = torch.empty((rows, _row_bytes(cols, width, bits)), dtype=torch.uint8, device=x.device)
+    new_residual = None
+    if error_feedback:
+        new_residual = residual if residual is not None and residual.is_contiguous() else torch.empty_like(x)
+    r = residual.contiguous() if residual is not None else x
+    n = noise.contiguous() if noise is not None else x
+    _quantize_encode_kernel[(rows * nblocks,)](
+        x, r, n, new_residual if new_residual is not None else x, payload, cols, payload.shape[1], nblocks, width,
+        LEVELS=2 ** (bits - 1) - 1, BITS=bits, HALF=_pow2(width // 2), HAS_R=residual is not None,
+        HAS_NOISE=noise is not None, EF=error_feedback, enable_fp_fusion=False)
+    return payload, new_residual
+
+
+def quantize_decode(payload: torch.Tensor, *, cols: int, width: int, bits: int) -> torch.Tensor:
+    rows = payload.shape[0]
+    payload = payload.contiguous()
+    out = torch.empty((rows, cols), dtype=torch.float32, device=payload.device)
+    nblocks = cols // width
+    _quantize_decode_kernel[(rows * nblocks,)](payload, out, cols, payload.shape[1], nblocks, width,
+                                               LEVELS=2 ** (bits - 1) - 1, BITS=bits, HALF=_pow2(width // 2),
+                                               enable_fp_fusion=False)
+    return out
+
+
+def quantize_decode_sum(payload: torch.Tensor, *, cols: int, width: int, bits: int, scale: float) -> torch.Tensor:
+    payload = payload.contiguous()
+    out = torch.empty((1, cols), dtype=torch.float32, device=payload.device)
+    nblocks = cols // width
+    _quantize_decode_sum_kernel[(nblocks,)](payload, out, payload.shape[0], payload.shape[1], nblocks, width,
+                                            float(scale), LEVELS=2 ** (bits - 1) - 1, BITS=bits,
+                                            HALF=_pow2(width // 2), SCALED=scale != 1.0, enable_fp_fusion=False)
+    return out
+
+
+def cast_decode_sum(payload: torch.Tensor, *, cols: int, bf16: bool, scale: float) -> torch.Tensor:
+    halves = payload.contiguous().view(torch.int16)  # [rows, cols] 16-bit values
+    out = torch.empty((1, cols), dtype=torch.float32, device=payload.device)
+    _cast_decode_sum_kernel[(triton.cdiv(cols, _CAST_TILE),)](halves, out, halves.shape[0], cols, float(scale),
+                                                              BF16=bf16, TILE=_CAST_TILE, SCALED=scale != 1.0,
+                                                              enable_fp_fusion=False)
+    return out

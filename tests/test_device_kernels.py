@@ -1,0 +1,107 @@
+"""Dispatch of the fused codec kernels on device tensors (compression/device_kernels.py).
+
+The Triton kernels themselves cannot run here (no GPU; benchmarks/gpu_check.py compares them bit
+for bit with the CPU reference on one). What this checks on the CPU, with a fake CUDA table: a
+device tensor goes to the device kernels when they load, to the tensor-op reference when Triton
+is not importable (never to the host C kernels, which would read device memory), and each codec
+pass reaches the kernel meant for it."""
+import importlib
+
+import pytest
+import torch
+
+from fake_cuda import FakeCuda
+from pipesgd_hvd.comm.local import LocalWorld
+from pipesgd_hvd.compression import Compression, Quantize, device_kernels, kernels, resolve_compression
+from pipesgd_hvd.compression.allreduce import compressed_allreduce
+from pipesgd_hvd.frameworks.torch_ops import TorchOps
+from threads import run_threads
+
+REFERENCE = TorchOps(fused=False)
+
+
+class StubKernels:
+    """Stands in for triton_kernels: records each call and answers with the reference ops."""
+
+    def __init__(self):
+        self.calls = []
+
+    def quantize_encode(self, x, *, width, bits, noise=None, residual=None, error_feedback=False):
+        self.calls.append("quantize_encode")
+        codec = Quantize(bits, block=width)
+        y = x + residual if residual is not None else x
+        payload, cols = codec.encode(REFERENCE, y, key="k", seed=0)
+        new = REFERENCE.finite_or_zero(y - codec.decode(REFERENCE, payload, cols)) if error_feedback else None
+        return payload, new
+
+    def quantize_decode(self, payload, *, cols, width, bits):
+        self.calls.append("quantize_decode")
+        return Quantize(bits, block=width)._decode_ops(REFERENCE, payload, cols)
+
+    def quantize_decode_sum(self, payload, *, cols, width, bits, scale):
+        self.calls.append("quantize_decode_sum")
+        total = Quantize(bits, block=width)._decode_ops(REFERENCE, payload, cols).sum(0, keepdim=True)
+        return total * scale if scale != 1.0 else total
+
+    def cast_decode_sum(self, payload, *, cols, bf16, scale):
+        self.calls.append("cast_decode_sum")
+        total = payload.view(torch.bfloat16 if bf16 else torch.float16).float().sum(0, keepdim=True)
+        return total * scale if scale != 1.0 else total
+
+
+def _reduce(ops, name, size=2):
+    inputs = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+
+    def rank_fn(rank, comm):
+        codec = resolve_compression(name)
+        return [compressed_allreduce(ops, comm, codec, inputs[rank].clone(), name="t", key="k", seed=step)[0]
+                for step in range(2)]  # two steps: the second uses the error-feedback residual
+
+    return run_threads(LocalWorld(size, REFERENCE), rank_fn)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("int8", {"quantize_encode", "quantize_decode_sum", "quantize_decode"}),
+    ("int4", {"quantize_encode", "quantize_decode_sum", "quantize_decode"}),
+    ("fp16", {"cast_decode_sum"}),
+    ("bf16", {"cast_decode_sum"}),
+    ("truncate16", set()),
+])
+def test_device_tensors_reach_the_device_kernels_and_get_the_reference_result(monkeypatch, name, expected):
+    stub = StubKernels()
+    monkeypatch.setattr(device_kernels, "load", lambda: stub)
+    got = _reduce(TorchOps(cuda=FakeCuda()), name)
+    assert set(stub.calls) == expected
+    for mine, ref in zip(got, _reduce(REFERENCE, name)):
+        assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+
+
+def test_without_triton_device_tensors_run_the_reference_not_the_host_kernels(monkeypatch):
+    real_import = importlib.import_module
+
+    def no_triton(name, *args):
+        if name == "triton":
+            raise ImportError("No module named 'triton'")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_triton)
+    device_kernels.load.cache_clear()
+    class NoHostKernels:  # the C kernels read host memory: a device tensor must never reach them
+        def __getattr__(self, name):
+            raise AssertionError(f"host kernel {name} called for a device tensor")
+
+    monkeypatch.setattr(kernels, "_native", NoHostKernels())
+    try:
+        assert device_kernels.load() is None
+        ops = TorchOps(cuda=FakeCuda())
+        for name in ("int8", "int4", "fp16"):
+            for mine, ref in zip(_reduce(ops, name), _reduce(REFERENCE, name)):
+                assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+    finally:
+        device_kernels.load.cache_clear()
+
+
+def test_host_tensors_never_load_the_device_kernels(monkeypatch):
+    monkeypatch.setattr(device_kernels, "load", lambda: pytest.fail("device kernels loaded for a host tensor"))
+    _reduce(TorchOps(), "int8")
+    assert kernels.accepts(TorchOps(), torch.zeros(2, 4))
