@@ -137,6 +137,13 @@ class RankBench:
         self._calls += 1
         return f"bench.{tag}.{self._calls}"
 
+    def progress(self, line: str) -> None:
+        """Rank 0 appends ``line`` to the driver's progress file (``--progress``), which the driver
+        echoes while the launch runs: a launch takes minutes, its stdout comes back only at the end."""
+        if self.args.progress and self.hvd.rank() == 0:
+            with open(self.args.progress, "a") as f:
+                f.write(line + "\n")
+
     def barrier(self) -> None:
         self.hvd.allreduce(self.torch.zeros(1), name=self.uid("barrier"))
 
@@ -291,7 +298,10 @@ class RankBench:
             collectives = {"comm-none": collectives["comm-none"]}
         tcp = TcpPair(hvd, enabled=not args.quick)
         summand, acc = self.torch.randn(self.numel), self.torch.zeros(self.numel)
+        launched = time.perf_counter()
         auto = self.decide_auto() if AUTO in segments else None
+        if auto is not None:
+            self.progress(f"auto decided in {auto['seconds']:.0f} s")
         busy0, our0 = machine_busy(), sum(self.clock.read())
         for r in range(args.rounds):
             # A different configuration goes first each round: none always meets the warm-up after
@@ -304,6 +314,9 @@ class RankBench:
                 tcp.exchange(self.row_bytes, self.record)
                 self.record("add", self.timed(lambda: acc.add_(summand)))  # gamma: one float32 add
             self.barrier()
+            elapsed = time.perf_counter() - launched
+            self.progress(f"round {r + 1}/{args.rounds} done, {elapsed:.0f} s in; rounds left ~"
+                          f"{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s")
         busy1, our1 = machine_busy(), sum(self.clock.read())
         self.pool.shutdown()
         tcp.close()
@@ -403,6 +416,7 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--auto-measure-steps", type=int, default=5, help="the auto optimizer's measuring steps")
     parser.add_argument("--quick", action="store_true", help="compute, Horovod, width 2 and the all-reduce only")
+    parser.add_argument("--progress", default="", help="file rank 0 appends a line to after each round")
     RankBench(parser.parse_args(argv)).run()
 
 

@@ -75,15 +75,24 @@ def test_compute_bound_codec_is_blamed_on_the_cpu_and_comm_bound_on_the_all_redu
     assert cause(made_up(STEP, COMM, CPU), "w2-int8").startswith("the all-reduce:")
 
 
-def test_targets_name_the_misses():
+def test_targets_are_the_issues_and_name_the_misses():
     la = made_up(STEP, COMM, CPU)
     found = {t.name: t for t in targets([la], {0: fit_model(la)})}
-    int8 = next(t for name, t in found.items() if "int8 (EF) >= 3x" in name)
+    int8 = next(t for name, t in found.items() if "int8 (EF) >= 3.5x" in name)
     assert not int8.met and int8.measured == f"{0.951 / 0.491:.2f}x" and int8.cause
-    width2 = next(t for name, t in found.items() if ">= 1.25x" in name)
-    assert not width2.met  # 0.951 / 0.811 = 1.17x
+    int4 = next(t for name, t in found.items() if "int4 (EF) >= 4.5x" in name)
+    assert not int4.met and int4.measured == f"{0.951 / 0.321:.2f}x"  # 2.96x
     # every pipelined row is within 10% of its bound (int8: 0.451 / 0.491 = 92%)
     assert all(t.met for name, t in found.items() if "within 10%" in name)
+    # CPU per all-reduce against 20% of compute (0.201 s): none and the 16-bit codecs pass, 0.1 s does not
+    cpu = {c: next(t for name, t in found.items() if name.endswith(f" {c} all-reduce's CPU on a rank < 20% of compute"))
+           for c in CODECS}
+    assert cpu["fp16"].met and not cpu["int8"].met and "encode + decode" in cpu["int8"].cause
+    # width 1 / Horovod = 1.001 / 0.951: missed, with both overlaps named
+    w1 = next(t for name, t in found.items() if "width 1 within 3%" in name)
+    assert not w1.met and w1.measured == f"width 1 / Horovod = {1.001 / 0.951:.3f}" and "Horovod hid" in w1.cause
+    assert not any("auto" in name or ">= 1.25x" in name for name in found)
+    assert sum("within 15% of the model" in name for name in found) == 1
 
 
 def decided(width: int, compression: str) -> dict:
@@ -101,5 +110,5 @@ def test_auto_is_judged_against_the_fastest_configuration_it_could_choose():
     bad = auto_target(made_up(dict(STEP, auto=0.49), COMM, CPU, auto=decided(2, "int8")))
     assert not bad.met and "491 ms" in bad.cause and "the rule" in bad.cause
     la = made_up(dict(STEP, auto=0.81), COMM, CPU, auto=decided(2, "none"))
-    assert la.auto_choice() == "w2" and sum("auto within 10%" in t.name for t in targets([la], {0: fit_model(la)})) == 1
+    assert la.auto_choice() == "w2"
     assert made_up(STEP, COMM, CPU, auto=decided(1, "none")).auto_choice() == "w1"
