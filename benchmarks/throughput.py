@@ -197,7 +197,8 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         + f" (link {setting.rate}; alltoall and allgather of int8-sized chunks, TCP: one chunk each way at once "
         "between ranks 0 and 1). "
         f"Horovod's sync step hid {la.horovod_hidden():.0%} of the float32 all-reduce behind the backward pass "
-        f"(compute + all-reduce - step, over the all-reduce); the model's overlap h = {model.overlap:.0%}.",
+        f"(compute + all-reduce - step, over the all-reduce); the model's overlap h = "
+        f"{model.overlap['horovod']:.0%} (pipesgd width 1, from its buckets: {model.overlap['w1']:.0%}).",
         *(["", auto_paragraph(la)] if la.auto is not None else []),
     ])
 

@@ -18,9 +18,12 @@ it predicts:
   time X an all-reduce costs the rank (all threads, timed alone) is taken from compute when the
   two run side by side, so ``l_comm f/(1+f) = X``, X scaled to wall time by the share of a core
   the rank got for compute alone (other jobs took the rest);
-* Horovod's overlap h (``sync_iteration_time``): its reductions start as each layer's gradient
-  is ready, so at most the backward pass after the first layer, ``(L-1)/L`` of it, can hide
-  communication: ``h = min((L-1)/L, bwd (L-1)/L / l_AR)``. Width 1 with one bucket hides nothing.
+* the overlap h of a width-1 step (``sync_iteration_time``), from its buckets: a bucket starts
+  once its gradients are in, so the backward pass after the first bucket is ready can hide
+  communication and the last bucket's cannot be hidden: ``h = min(1 - s_last, bwd (1 - s_first)
+  / l_AR)``, s the bucket's share of the gradient (backward time taken as proportional to bytes).
+  Horovod starts each layer as it is ready (``(L-1)/L`` both ways); pipesgd's buckets are those
+  ``pipesgd_hvd.fusion.plan_buckets`` gives the benchmark's model (one bucket: h = 0).
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from pipesgd_hvd.timing import (CODECS as MODEL_CODECS, CodecParams, LinkParams, compressed_allreduce_time,
                                 fit_link, pipelined_iteration_time, ring_allreduce_time,
                                 sync_iteration_time)
+
+from pipesgd_hvd.fusion import DEFAULT_FUSION_THRESHOLD
 
 from .throughput_worker import AUTO, CODECS, TRAINING
 
@@ -142,7 +147,7 @@ class Model:
     link: LinkParams
     codecs: Dict[str, CodecParams]
     interference: Dict[str, float]
-    overlap: float
+    overlap: Dict[str, float]       # h per width-1 configuration (Horovod, w1, w1-layer)
     comm: Dict[str, float]          # predicted all-reduce per codec
     step: Dict[str, float]          # predicted step per training configuration
 
@@ -153,6 +158,35 @@ def interference(launch: Launch, codec: str, comm: float) -> float:
     delay = launch.comm_cpu(codec) / launch.core_share()
     share = min(0.95, delay / max(comm, 1e-9))
     return share / (1.0 - share)
+
+
+def width1_buckets(layers: int, grad_bytes: int) -> Dict[str, List[float]]:
+    """Each width-1 configuration's buckets as shares of the gradient, in launch order, for the
+    benchmark's model (``layers`` x Linear(dim, dim), float32): Horovod one per layer; pipesgd's
+    from its own fusion plan, default threshold (``w1``) and one layer's bytes (``w1-layer``)."""
+    from pipesgd_hvd.fusion import TensorSpec, plan_buckets
+
+    per_layer = grad_bytes // 4 // layers                      # dim^2 + dim floats
+    dim = int((-1 + (1 + 4 * per_layer) ** 0.5) / 2)
+    specs = [spec for i in range(layers) for spec in (TensorSpec(f"{i}.weight", (dim, dim), "float32"),
+                                                       TensorSpec(f"{i}.bias", (dim,), "float32"))]
+    order = list(range(len(specs)))[::-1]
+
+    total = sum(spec.nbytes for spec in specs)
+
+    def shares(threshold: int) -> List[float]:
+        layout = plan_buckets(specs, order, threshold)
+        return [sum(specs[mb.index].nbytes for mb in b.members) / total for b in layout.buckets]
+
+    # w1-layer: the fusion_threshold_mb the worker gives it, converted as the options do
+    layer_mb = (dim * dim + dim) * 4 / 2**20
+    return {"horovod": [1 / layers] * layers, "w1": shares(DEFAULT_FUSION_THRESHOLD),
+            "w1-layer": shares(int(layer_mb * 2**20))}
+
+
+def bucket_overlap(shares: List[float], backward: float, comm: float) -> float:
+    """h of a width-1 step whose buckets hold ``shares`` of the gradient (module docstring)."""
+    return max(0.0, min(1.0 - shares[-1], backward * (1.0 - shares[0]) / comm))
 
 
 def fit_model(launch: Launch) -> Model:
@@ -169,13 +203,12 @@ def fit_model(launch: Launch) -> Model:
     layers = int(launch.raw["layers"])
     comm = {c: compressed_allreduce_time(n, m, link, p) for c, p in codecs.items()}
     comm["none"] = ring_allreduce_time(n, m, link)
-    hidden_part = launch.median("backward") * (layers - 1) / layers
-    overlap = min((layers - 1) / layers, hidden_part / comm["none"])
+    backward = launch.median("backward")
+    overlap = {key: bucket_overlap(shares, backward, comm["none"])
+               for key, shares in width1_buckets(layers, m).items()}
     f = {c: interference(launch, c, comm[c]) for c in ("none", *CODECS)}
     compute = launch.compute
-    step = {"horovod": sync_iteration_time(compute, comm["none"], overlap),
-            "w1": sync_iteration_time(compute, comm["none"], 0.0),
-            "w1-layer": sync_iteration_time(compute, comm["none"], overlap),
+    step = {**{key: sync_iteration_time(compute, comm["none"], h) for key, h in overlap.items()},
             "w2": pipelined_iteration_time(compute, comm["none"], f["none"]),
             **{f"w2-{c}": pipelined_iteration_time(compute, comm[c], f[c]) for c in CODECS}}
     return Model(link, codecs, f, overlap, comm, step)
@@ -245,7 +278,7 @@ def model_cause(launch: Launch, model: Model, key: str) -> str:
     step = launch.median(key) * 1e3
     if not key.startswith("w2"):
         hidden = (launch.compute + launch.comm("none") - launch.median(key)) / launch.comm("none")
-        h = 0.0 if key == "w1" else model.overlap
+        h = model.overlap[key]
         return (f"{LABELS[key]} {step:.0f} ms vs compute + (1 - h) all-reduce = {model.step[key] * 1e3:.0f} ms: the "
                 f"model hides h = {h:.0%} of the all-reduce, the step hid {hidden:.0%}")
     codec = codec_of(key)

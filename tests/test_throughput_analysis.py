@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.throughput_analysis import Launch, auto_target, cause, fit_model, phase_rates, speedup, targets
+from benchmarks.throughput_analysis import (Launch, auto_target, bucket_overlap, cause, fit_model, phase_rates, speedup,
+                                           targets, width1_buckets)
 from benchmarks.throughput_worker import AUTO, CODECS, LOOPS, TRAINING
 
 GRAD = 16_000_000          # bytes of float32 gradient
@@ -61,11 +62,24 @@ def test_model_gets_parts_only_and_reproduces_them():
     # Each codec's cost makes the model's compressed all-reduce equal the measured one.
     for c in CODECS:
         assert model.comm[c] == pytest.approx(la.comm(c), rel=1e-9)
-    # Pipelined, comm-bound: the all-reduce; width 1 with one bucket: compute + all-reduce.
+    # Pipelined, comm-bound: the all-reduce.
     assert model.step["w2-int8"] == pytest.approx(la.comm("int8"), rel=1e-9)
-    assert model.step["w1"] == pytest.approx(la.compute + model.comm["none"], rel=1e-9)
-    # Horovod's overlap: (L-1)/L of the backward pass over the all-reduce (3/4 * 0.121 / ~0.8).
-    assert model.overlap == pytest.approx(0.75 * 0.121 / model.comm["none"], rel=1e-9)
+    # Horovod's overlap: (L-1)/L of the backward pass over the all-reduce (3/4 * 0.121 / ~0.8);
+    # pipesgd's default plan gives this 4-layer model one bucket per layer, hence the same h.
+    h = 0.75 * 0.121 / model.comm["none"]
+    assert model.overlap == pytest.approx({"horovod": h, "w1": h, "w1-layer": h}, rel=1e-9)
+    assert model.step["w1"] == pytest.approx(la.compute + (1 - h) * model.comm["none"], rel=1e-9)
+
+
+def test_width1_overlap_follows_the_buckets():
+    # one bucket: nothing hidden; the last bucket's share is never hidden; the window is the
+    # backward pass after the first bucket is ready
+    assert bucket_overlap([1.0], 0.1, 0.2) == 0.0
+    assert bucket_overlap([0.25, 0.75], 10.0, 0.2) == pytest.approx(0.25)
+    assert bucket_overlap([0.25, 0.25, 0.5], 0.1, 0.3) == pytest.approx(0.1 * 0.75 / 0.3)
+    buckets = width1_buckets(4, 4 * (1024 * 1024 + 1024) * 4)
+    assert buckets["horovod"] == buckets["w1"] == buckets["w1-layer"] == pytest.approx([0.25] * 4)
+    assert width1_buckets(2, 2 * (64 * 64 + 64) * 4)["w1"] == [1.0]  # 33 KB: under the first bucket's 1 MiB
 
 
 def test_compute_bound_codec_is_blamed_on_the_cpu_and_comm_bound_on_the_all_reduce():
