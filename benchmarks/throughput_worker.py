@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
-# "w1-layer": width 1 with one bucket per layer, as Horovod's per-tensor reductions; the default
-# 64 MiB threshold puts the whole gradient in one bucket, which starts only after the backward pass.
+# "w1-layer": width 1 with buckets capped at one layer, as Horovod's per-tensor reductions: the
+# control for the default fusion plan (buckets that close early, pipesgd_hvd/fusion.py).
 TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS))
 # "loop-<codec>": the pipelined schedule without the engine: compute step t, start its all-reduce,
 # wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
