@@ -194,8 +194,8 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         f"and a float32 add): alpha {link.alpha * 1e6:.0f} us, bandwidth {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
         f"gamma {link.gamma * 1e9:.3f} ns/B. Sent per rank: "
         + ", ".join(f"{k} {v / 1e6:.0f} Mbit/s" for k, v in phase_rates(la).items())
-        + f" (link {setting.rate}; alltoall and allgather of int8-sized chunks, TCP: one chunk each way at once "
-        "between ranks 0 and 1). "
+        + f" (link {setting.rate}; alltoall and allgather of int8-sized chunks on the pipeline channel, TCP: one "
+        "chunk each way at once between ranks 0 and 1). "
         f"Horovod's sync step hid {la.horovod_hidden():.0%} of the float32 all-reduce behind the backward pass "
         f"(compute + all-reduce - step, over the all-reduce); the model's overlap h = "
         f"{model.overlap['horovod']:.0%} (pipesgd width 1, from its buckets: {model.overlap['w1']:.0%}).",
@@ -255,7 +255,7 @@ def share_of_tcp(launches: Sequence[Launch]) -> str:
     if not shares:
         return ""
     return ("Against a plain TCP exchange on the same link (both directions at once, as a 2-rank alltoall), "
-            "Horovod's " + ", ".join(f"{k} reached {min(v):.0%}-{max(v):.0%}" for k, v in shares.items()) + ".")
+            "Horovod's float32 all-reduce and the pipeline channel's phases: " + ", ".join(f"{k} reached {min(v):.0%}-{max(v):.0%}" for k, v in shares.items()) + ".")
 
 
 def findings(launches: Sequence[Launch]) -> str:

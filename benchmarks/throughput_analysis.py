@@ -238,7 +238,8 @@ def closest(launches: List[Launch], ratio: float) -> Optional[Launch]:
 
 def phase_rates(launch: Launch) -> Dict[str, float]:
     """Bits per second each rank sent: Horovod's float32 all-reduce (2 (N-1)/N of the gradient),
-    its alltoall and allgather of int8-sized chunks ((N-1) chunks each), and a plain TCP exchange
+    the pipeline channel's alltoall and allgather of int8-sized chunks ((N-1) chunks each: the
+    compressed all-reduce's phases), and a plain TCP exchange
     of one chunk each way between ranks 0 and 1 (the link's own full-duplex rate)."""
     n, row = launch.ranks, launch.raw["row_bytes"]
     rates = {"float32 all-reduce": 2 * (n - 1) / n * launch.grad_bytes / launch.comm("none"),
