@@ -15,9 +15,10 @@ it predicts:
   cost per call, which is not small here, and the model has no term for it;
 * the compute time (forward + backward + update) and its backward share, timed alone;
 * the interference f per codec (``pipelined_iteration_time``): with one core per rank, the CPU
-  time X an all-reduce costs the rank (all threads, timed alone) is taken from compute when the
-  two run side by side, so ``l_comm f/(1+f) = X``, X scaled to wall time by the share of a core
-  the rank got for compute alone (other jobs took the rest);
+  time X an all-reduce costs the rank (all threads, timed alone) beyond its threads' background
+  rate (what they burn during compute alone, already inside the compute time) is taken from
+  compute when the two run side by side, so ``l_comm f/(1+f) = X``, X scaled to wall time by the
+  share of a core the rank got for compute alone (other jobs took the rest);
 * the overlap h of a width-1 step (``sync_iteration_time``), from its buckets: a bucket starts
   once its gradients are in, so the backward pass after the first bucket is ready can hide
   communication and the last bucket's cannot be hidden: ``h = min(1 - s_last, bwd (1 - s_first)
@@ -152,10 +153,19 @@ class Model:
     step: Dict[str, float]          # predicted step per training configuration
 
 
+def extra_cpu(launch: Launch, codec: str) -> float:
+    """CPU seconds an all-reduce adds to a rank beyond what its threads burn anyway: the rank's
+    other threads (Horovod's background loop, Gloo's) use CPU during compute alone too, and that
+    is already inside the compute time; billing it again with the all-reduce (as the all-reduce's
+    whole CPU X did) overestimated the compressed rows by up to ~20% on a slow machine."""
+    background = launch.cpu_per_step("compute")[1] / launch.compute   # cores, while computing alone
+    return max(0.0, launch.comm_cpu(codec) - background * launch.comm(codec))
+
+
 def interference(launch: Launch, codec: str, comm: float) -> float:
-    """f such that ``pipelined_iteration_time`` adds the all-reduce's CPU time (as wall time at
-    this rank's core share) to compute: ``comm f/(1+f) = X``."""
-    delay = launch.comm_cpu(codec) / launch.core_share()
+    """f such that ``pipelined_iteration_time`` adds the all-reduce's extra CPU time (as wall
+    time at this rank's core share) to compute: ``comm f/(1+f) = X``."""
+    delay = extra_cpu(launch, codec) / launch.core_share()
     share = min(0.95, delay / max(comm, 1e-9))
     return share / (1.0 - share)
 
@@ -284,7 +294,8 @@ def model_cause(launch: Launch, model: Model, key: str) -> str:
                 f"model hides h = {h:.0%} of the all-reduce, the step hid {hidden:.0%}")
     codec = codec_of(key)
     return (f"{LABELS[key]} {step:.0f} ms vs max(all-reduce {model.comm[codec] * 1e3:.0f}, compute "
-            f"{launch.compute * 1e3:.0f} + its CPU {launch.comm_cpu(codec) * 1e3:.0f}) = {model.step[key] * 1e3:.0f} ms "
+            f"{launch.compute * 1e3:.0f} + its extra CPU {extra_cpu(launch, codec) * 1e3:.0f}) = "
+            f"{model.step[key] * 1e3:.0f} ms "
             f"(engine-free loop {launch.loop(key) * 1e3:.0f} ms)")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.throughput_analysis import (Launch, auto_target, bucket_overlap, cause, fit_model, phase_rates, speedup,
-                                           targets, width1_buckets)
+from benchmarks.throughput_analysis import (Launch, auto_target, bucket_overlap, cause, extra_cpu, fit_model, phase_rates,
+                                           speedup, targets, width1_buckets)
 from benchmarks.throughput_worker import AUTO, CODECS, LOOPS, TRAINING
 
 GRAD = 16_000_000          # bytes of float32 gradient
@@ -126,3 +126,13 @@ def test_auto_is_judged_against_the_fastest_configuration_it_could_choose():
     la = made_up(dict(STEP, auto=0.81), COMM, CPU, auto=decided(2, "none"))
     assert la.auto_choice() == "w2"
     assert made_up(STEP, COMM, CPU, auto=decided(1, "none")).auto_choice() == "w1"
+
+
+def test_interference_bills_only_the_cpu_beyond_the_threads_background():
+    # compute alone: other threads 0.02 s CPU per 0.201 s step; int8 all-reduce 0.151 s, 0.1 s CPU
+    la = made_up(STEP, dict(COMM, int8=0.15), CPU)
+    x = 0.1 - 0.02 / 0.201 * 0.151
+    assert extra_cpu(la, "int8") == pytest.approx(x)
+    model = fit_model(la)
+    assert model.step["w2-int8"] == pytest.approx(0.201 + x / la.core_share())  # compute-bound: compute + X
+    assert extra_cpu(made_up(STEP, COMM, dict(CPU, none=0.01)), "none") == 0.0  # under the background: nothing
