@@ -12,16 +12,20 @@ the "throughput" section of docs/benchmarks.md and docs/img/throughput.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .throughput_analysis import LABELS, Launch, Model, Target, fit_model, phase_rates, speedup, targets
+from .throughput_analysis import (LABELS, Launch, Model, Target, auto_target, fit_model, phase_rates, speedup,
+                                  targets, width1_buckets)
 from .throughput_worker import AUTO, CODECS, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,24 +64,77 @@ def wait_for_quiet(max_wait: float, idle_cores: float = 1.5, window: float = 2.0
             return waited, busy
 
 
-def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "", quick: bool = False) -> Launch:
+class Progress:
+    """One line per launch as it starts (elapsed, ETA of the whole run from the launches done so
+    far) and the worker's lines as its rounds end (a launch takes minutes; its stdout comes back
+    only at the end): rank 0 appends them to a file, a thread here echoes them to stderr."""
+
+    def __init__(self, launches: int) -> None:
+        self.total, self.done, self.start = launches, 0, time.perf_counter()
+        self.durations: List[float] = []
+
+    def begin(self, what: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        eta = (f"ETA ~{sum(self.durations) / len(self.durations) * (self.total - self.done) / 60:.1f} min"
+               if self.durations else "ETA after the first launch")
+        print(f"[launch {self.done + 1}/{self.total}, {elapsed / 60:.1f} min in, {eta}] {what}", file=sys.stderr,
+              flush=True)
+
+    def end(self, seconds: float) -> None:
+        self.done += 1
+        self.durations.append(seconds)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def echo(path: Path, prefix: str) -> Iterator[None]:
+        """Echoes the lines appended to ``path`` while the block runs."""
+        stop = threading.Event()
+
+        def tail() -> None:
+            seen = 0
+            while True:
+                stopping = stop.wait(2.0)
+                text = path.read_text() if path.exists() else ""
+                for line in text[seen:].splitlines():
+                    print(f"{prefix}{line}", file=sys.stderr, flush=True)
+                seen = len(text)
+                if stopping:
+                    return
+
+        thread = threading.Thread(target=tail, name="bench-progress", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+
+def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "", quick: bool = False,
+               progress: Optional[Progress] = None) -> Launch:
     from .cluster import gloo, launch
     from .cluster.netns import Cluster, leftover_namespaces
 
-    cmd = [sys.executable, "-m", "benchmarks.throughput_worker", "--rounds", str(args.rounds), "--steps",
-           str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch), "--dim",
-           str(args.dim), "--layers", str(args.layers)] + (["--quick"] if quick else [])
-    env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
-    waited, busy = wait_for_quiet(args.max_quiet_wait)
-    start = time.perf_counter()
-    with Cluster(setting.hosts, rate=setting.rate) as cluster:
-        runner = gloo if (controller or args.controller) == "gloo" else launch
-        proc = runner.run(cluster, cmd, env=env, timeout=args.launch_timeout)
+    what = f"{setting.hosts} hosts, {setting.rate}, batch {setting.batch}{', ' + controller if controller else ''}"
+    if progress is not None:
+        progress.begin(what)
+    with tempfile.TemporaryDirectory(prefix="pipesgd-bench-") as tmp:
+        lines = Path(tmp) / "progress"
+        cmd = [sys.executable, "-m", "benchmarks.throughput_worker", "--rounds", str(args.rounds), "--steps",
+               str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch), "--dim",
+               str(args.dim), "--layers", str(args.layers), "--progress", str(lines)] + (["--quick"] if quick else [])
+        env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
+        waited, busy = wait_for_quiet(args.max_quiet_wait)
+        start = time.perf_counter()
+        with Cluster(setting.hosts, rate=setting.rate) as cluster, Progress.echo(lines, "    "):
+            runner = gloo if (controller or args.controller) == "gloo" else launch
+            proc = runner.run(cluster, cmd, env=env, timeout=args.launch_timeout)
+    if progress is not None:
+        progress.end(time.perf_counter() - start + waited)
     left = leftover_namespaces(cluster.prefix)
     if left:
         raise RuntimeError(f"tear-down left namespaces behind: {left}")
-    print(f"  {setting.hosts} hosts, {setting.rate}, batch {setting.batch}{', ' + controller if controller else ''}: "
-          f"{time.perf_counter() - start:.0f} s "
+    print(f"  {what}: {time.perf_counter() - start:.0f} s "
           f"(after waiting {waited:.0f} s for other jobs; {busy:.1f} cores busy at the start)", file=sys.stderr, flush=True)
     for line in proc.stdout.splitlines():
         if line.startswith(MARKER):
@@ -137,10 +194,11 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         f"and a float32 add): alpha {link.alpha * 1e6:.0f} us, bandwidth {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
         f"gamma {link.gamma * 1e9:.3f} ns/B. Sent per rank: "
         + ", ".join(f"{k} {v / 1e6:.0f} Mbit/s" for k, v in phase_rates(la).items())
-        + f" (link {setting.rate}; alltoall and allgather of int8-sized chunks, TCP: one chunk each way at once "
-        "between ranks 0 and 1). "
+        + f" (link {setting.rate}; alltoall and allgather of int8-sized chunks on the pipeline channel, TCP: one "
+        "chunk each way at once between ranks 0 and 1). "
         f"Horovod's sync step hid {la.horovod_hidden():.0%} of the float32 all-reduce behind the backward pass "
-        f"(compute + all-reduce - step, over the all-reduce); the model's overlap h = {model.overlap:.0%}.",
+        f"(compute + all-reduce - step, over the all-reduce); the model's overlap h = "
+        f"{model.overlap['horovod']:.0%} (pipesgd width 1, from its buckets: {model.overlap['w1']:.0%}).",
         *(["", auto_paragraph(la)] if la.auto is not None else []),
     ])
 
@@ -150,13 +208,16 @@ def auto_paragraph(la: Launch) -> str:
     a = la.auto
     assert a is not None
     m, d = a["measurements"], a["decision"]
+    judged = auto_target(la)
     timed = ", ".join(f"{'float32' if c == 'none' else c} {ms(t)} ms (CPU {ms(m['reduction_cpu_s'].get(c, 0.0))})"
                       for c, t in m["reduction_s"].items())
     predicted = ", ".join(f"{k} {ms(v)}" for k, v in d["predicted_s"].items())
     return (f"*Auto mode* (`width=\"auto\", compression=\"auto\"`, decided at step {a['step']}, "
             f"{a['seconds']:.1f} s after its first step): compute {ms(m['compute_s'])} ms/step; reductions timed "
             f"(slowest rank): {timed}; predicted steps, ms: {predicted}. **Chose width {d['width']} + "
-            f"{d['compression']}**: {d['reason']}.")
+            f"{d['compression']}**: {d['reason']}. Timed as chosen, against the fastest fixed configuration it "
+            f"could have chosen: {judged.measured} ({'within' if judged.met else 'not within'} 10%"
+            + (f"; {judged.cause})" if judged.cause else ")") + ".")
 
 
 def controller_block(spec: str, pair: Sequence[Launch]) -> str:
@@ -194,7 +255,7 @@ def share_of_tcp(launches: Sequence[Launch]) -> str:
     if not shares:
         return ""
     return ("Against a plain TCP exchange on the same link (both directions at once, as a 2-rank alltoall), "
-            "Horovod's " + ", ".join(f"{k} reached {min(v):.0%}-{max(v):.0%}" for k, v in shares.items()) + ".")
+            "Horovod's float32 all-reduce and the pipeline channel's phases: " + ", ".join(f"{k} reached {min(v):.0%}-{max(v):.0%}" for k, v in shares.items()) + ".")
 
 
 def findings(launches: Sequence[Launch]) -> str:
@@ -202,6 +263,7 @@ def findings(launches: Sequence[Launch]) -> str:
     import statistics
 
     two = [la for la in launches if la.hosts == 2]
+    plan = width1_buckets(int(two[0].raw["layers"]), two[0].grad_bytes)["w1"] if two else []
     ratios = [la.median(k) / la.loop(k) for la in launches for k in TRAINING if k.startswith("w2")]
     width1 = "; ".join(f"{la.rate}: width 1 {la.median('w1') / la.median('horovod'):.2f}, one bucket per layer "
                        f"{la.median('w1-layer') / la.median('horovod'):.2f} (Horovod hid {la.horovod_hidden():.0%})"
@@ -215,10 +277,10 @@ def findings(launches: Sequence[Launch]) -> str:
         f"{max(ratios):.2f}x (median {statistics.median(ratios):.2f}) that of the same schedule without the engine "
         "(compute, start this step's all-reduce, wait for the previous one): where a pipelined row misses its bound, "
         "the bare schedule misses it as well.",
-        f"- **Width 1 against Horovod** (step / Horovod's step): {width1}. With the default fusion threshold (64 MiB) "
-        f"the {two[0].grad_bytes / 1e6:.1f} MB gradient is one bucket, which is sent when the backward pass has ended; "
-        "Horovod starts each layer's all-reduce as its gradient is ready. The two width-1 rows differ only in the "
-        "bucket size.",
+        f"- **Width 1 against Horovod** (step / Horovod's step): {width1}. Horovod starts each layer's all-reduce "
+        f"as its gradient is ready; pipesgd's default fusion plan puts the {two[0].grad_bytes / 1e6:.1f} MB gradient "
+        f"in {len(plan)} buckets (MB: {', '.join(f'{x * two[0].grad_bytes / 1e6:.1f}' for x in plan)}, in launch "
+        "order), each started once its gradients are in; the other width-1 row caps buckets at one layer.",
         f"- **One core per rank.** An all-reduce alone cost a rank this much CPU (median over the 2-host launches, "
         f"ms): {cpu}. Compute owns the core, so that CPU is taken from it: a pipelined step cannot beat compute + "
         "that CPU, whatever the link" + (f"; the machine was {min(busy):.1f}-{max(busy):.1f} cores busy in the "
@@ -294,17 +356,18 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     from .report import machine_line
 
     aims = ("aimed at comm ~0.25x compute", "aimed at comm ~1x compute", "aimed at comm ~2x compute",
-            "aimed at comm ~4x compute")
+            "aimed at comm ~5x compute")
     settings = [Setting.parse(2, spec, aims[i] if i < len(aims) else "") for i, spec in enumerate(args.settings)]
     if args.four_hosts:
         settings.append(Setting.parse(4, args.four_hosts, "4 ranks on 2 cores: oversubscribed"))
     load_before = os.getloadavg()
     start = time.perf_counter()
-    launches = [run_launch(s, args) for s in settings]
+    progress = Progress(len(settings) + (2 if args.controller_check else 0))
+    launches = [run_launch(s, args, progress=progress) for s in settings]
     pair: List[Launch] = []
     if args.controller_check:
         check = Setting.parse(2, args.controller_check, "controller check")
-        pair = [run_launch(check, args, controller, quick=True) for controller in ("gloo", "mpi")]
+        pair = [run_launch(check, args, controller, quick=True, progress=progress) for controller in ("gloo", "mpi")]
     return {"machine": machine_line(), "args": vars(args), "elapsed_s": time.perf_counter() - start,
             "load_before": load_before, "load_after": os.getloadavg(),
             "settings": [dataclasses.asdict(s) for s in settings],

@@ -6,10 +6,11 @@ load of the shared machine hits all configurations alike. Per round:
 * training segments, one per configuration (compute only, Horovod's ``DistributedOptimizer``,
   pipesgd width 1 / 2 / 2 + codec): one untimed step (refills a flushed pipeline), ``steps``
   timed steps, ``flush()``; each rank's CPU time per thread is read around the segment;
-* the collectives alone: float32 all-reduce of the gradient and of a quarter of it, a small one
-  (latency), allgather and alltoall of int8-sized uint8 rows, our compressed all-reduce per codec,
-  with the CPU time each costs the rank (all its threads): on a core shared with compute, that
-  is time compute loses when the collective runs beside it;
+* the collectives alone: Horovod's float32 all-reduce of the gradient and of a quarter of it, a
+  small one (latency); on a pipeline channel (the transport pipesgd's optimizers use under
+  Horovod) allgather and alltoall of int8-sized uint8 rows and our compressed all-reduce per
+  codec; with the CPU time each costs the rank (all its threads): on a core shared with compute,
+  that is time compute loses when the collective runs beside it;
 * a float32 add of the gradient (the reduction cost gamma).
 
 Rank 0 prints one JSON line (``MARKER``) holding every rank's samples; the driver analyses it.
@@ -28,8 +29,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
-# "w1-layer": width 1 with one bucket per layer, as Horovod's per-tensor reductions; the default
-# 64 MiB threshold puts the whole gradient in one bucket, which starts only after the backward pass.
+# "w1-layer": width 1 with buckets capped at one layer, as Horovod's per-tensor reductions: the
+# control for the default fusion plan (buckets that close early, pipesgd_hvd/fusion.py).
 TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS))
 # "loop-<codec>": the pipelined schedule without the engine: compute step t, start its all-reduce,
 # wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
@@ -85,6 +86,7 @@ class RankBench:
         import torch
 
         from pipesgd_hvd.comm.horovod_torch import HorovodTorchCommunicator
+        from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
         from pipesgd_hvd.compression import resolve_compression
 
         hvd.init()
@@ -97,7 +99,13 @@ class RankBench:
                      if key in self.segments or key == "compute"}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
         self.flat = torch.randn(self.numel)
+        # Horovod's ops: its float32 all-reduce is what Horovod's own optimizer runs. The pipeline's
+        # transfers go through its own channel (the default transport of every pipesgd optimizer
+        # under Horovod), so the compressed all-reduces, their phases and the engine-free loops
+        # are timed on a channel of the same kind: timed on Horovod's alltoall/allgather they
+        # measured another transport than the training rows use.
         self.comm = HorovodTorchCommunicator()
+        self.channel = PipelineChannel.from_horovod(name="bench.channel")
         self.codecs = {c: resolve_compression(c) for c in CODECS}
         self.clock = ThreadClock()
         self.samples: Dict[str, List[float]] = {}
@@ -136,6 +144,13 @@ class RankBench:
         differ), so every rank must draw names in the same order: only the main thread draws."""
         self._calls += 1
         return f"bench.{tag}.{self._calls}"
+
+    def progress(self, line: str) -> None:
+        """Rank 0 appends ``line`` to the driver's progress file (``--progress``), which the driver
+        echoes while the launch runs: a launch takes minutes, its stdout comes back only at the end."""
+        if self.args.progress and self.hvd.rank() == 0:
+            with open(self.args.progress, "a") as f:
+                f.write(line + "\n")
 
     def barrier(self) -> None:
         self.hvd.allreduce(self.torch.zeros(1), name=self.uid("barrier"))
@@ -207,7 +222,7 @@ class RankBench:
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
         from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
 
-        return compressed_allreduce(TORCH_OPS, self.comm, self.codecs[codec], values, name=name, key=name.split(".")[1],
+        return compressed_allreduce(TORCH_OPS, self.channel, self.codecs[codec], values, name=name, key=name.split(".")[1],
                                     seed=0)
 
     def start(self, codec: str, values: Any) -> Callable[[], Any]:
@@ -215,7 +230,7 @@ class RankBench:
         from pipesgd_hvd.comm.base import ReduceOp
 
         if codec == "none":
-            return self.comm.allreduce_async_(values, self.uid("loop"), ReduceOp.AVERAGE).wait
+            return self.channel.allreduce_async_(values, self.uid("loop"), ReduceOp.AVERAGE).wait
         name = self.uid(codec)
         return self.pool.submit(self.compressed, codec, values, name).result
 
@@ -239,8 +254,8 @@ class RankBench:
         return {"comm-none": float32(self.flat.clone(), "ar"),
                 "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
                 "ar-small": float32(self.torch.zeros(256), "ars"),
-                "ag-int8": lambda: comm.allgather_async(rows[:1], uid("ag")).wait(),
-                "a2a-int8": lambda: comm.alltoall_async(rows, uid("a2a")).wait(),
+                "ag-int8": lambda: self.channel.allgather_async(rows[:1], uid("ag")).wait(),
+                "a2a-int8": lambda: self.channel.alltoall_async(rows, uid("a2a")).wait(),
                 **{f"comm-{c}": compressed(c) for c in CODECS}}
 
     @property
@@ -291,7 +306,10 @@ class RankBench:
             collectives = {"comm-none": collectives["comm-none"]}
         tcp = TcpPair(hvd, enabled=not args.quick)
         summand, acc = self.torch.randn(self.numel), self.torch.zeros(self.numel)
+        launched = time.perf_counter()
         auto = self.decide_auto() if AUTO in segments else None
+        if auto is not None:
+            self.progress(f"auto decided in {auto['seconds']:.0f} s")
         busy0, our0 = machine_busy(), sum(self.clock.read())
         for r in range(args.rounds):
             # A different configuration goes first each round: none always meets the warm-up after
@@ -304,6 +322,9 @@ class RankBench:
                 tcp.exchange(self.row_bytes, self.record)
                 self.record("add", self.timed(lambda: acc.add_(summand)))  # gamma: one float32 add
             self.barrier()
+            elapsed = time.perf_counter() - launched
+            self.progress(f"round {r + 1}/{args.rounds} done, {elapsed:.0f} s in; rounds left ~"
+                          f"{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s")
         busy1, our1 = machine_busy(), sum(self.clock.read())
         self.pool.shutdown()
         tcp.close()
@@ -311,6 +332,7 @@ class RankBench:
         if not args.quick:
             self.codec_round_trips()
             profile = profile_int8(hvd, lambda: self.compressed("int8", self.flat, self.uid("int8")))
+        self.channel.close()
         mine = {"samples": self.samples, "our_cpu_s": our1 - our0, "machine_busy_s": busy1[0] - busy0[0],
                 "machine_total_s": busy1[1] - busy0[1]}
         everyone = hvd.allgather_object(mine, name="bench.result")
@@ -403,6 +425,7 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--auto-measure-steps", type=int, default=5, help="the auto optimizer's measuring steps")
     parser.add_argument("--quick", action="store_true", help="compute, Horovod, width 2 and the all-reduce only")
+    parser.add_argument("--progress", default="", help="file rank 0 appends a line to after each round")
     RankBench(parser.parse_args(argv)).run()
 
 
