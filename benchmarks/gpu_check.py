@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -508,11 +509,17 @@ def main() -> int:
         return 0
     started, report = time.perf_counter(), Report()
     copy_gbs = section_a(report, device, mib=256 if big else 16)
-    section_b(report, device, copy_gbs, mib=256 if big else 8)
-    section_c(report, device, churn_size=2048 if big else 96)
-    section_d(report, device)
-    section_e(report, device)
-    section_f(report, device)
+    # A section that crashes is one FAIL line with its traceback; the next sections still run, so
+    # one (scarce) GPU run shows every problem at once.
+    for name, run in (("b", lambda: section_b(report, device, copy_gbs, mib=256 if big else 8)),
+                      ("c", lambda: section_c(report, device, churn_size=2048 if big else 96)),
+                      ("d", lambda: section_d(report, device)),
+                      ("e", lambda: section_e(report, device)),
+                      ("f", lambda: section_f(report, device))):
+        try:
+            run()
+        except Exception:  # noqa: BLE001 - reported, and the exit status says FAILED
+            report.add("FAIL", f"{name}.crashed", traceback.format_exc().replace("\n", " / ")[-1500:])
     seconds = time.perf_counter() - started
     report.add("INFO", "total", f"{seconds:.1f} s; {'FAILED' if report.failed else 'all checks passed'}")
     out = args.out or (str(ROOT / "docs" / "gpu.md") if device.type == "cuda" else None)

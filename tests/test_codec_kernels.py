@@ -306,3 +306,16 @@ def test_without_the_kernels_codecs_warn_and_run_the_reference(monkeypatch):
         payload, ctx = Quantize(8).encode(TorchOps(), x, key="k", seed=0)
     reference, _ = Quantize(8).encode(TorchOps(fused=False), x, key="k", seed=0)
     assert torch.equal(payload, reference)
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_reference_decode_sum_adds_rows_in_rank_order(name):
+    # 2**24 then 63 ones: in rank order every +1 is lost (float32), as in the kernels; a
+    # framework's own sum (torch's vectorised CPU sum, CUDA's tree) adds the ones first.
+    # Without the row-by-row reference, torch's table gave 16777278 here (and CUDA other bits).
+    _, reference, tensor = TABLES[name]
+    codec = Truncate(16)
+    rows = np.array([[2.0 ** 24]] + [[1.0]] * 63, np.float32)
+    payload, cols = codec.encode(reference, tensor(rows), key="k", seed=0)
+    total = Codec.decode_sum(codec, reference, payload, cols)
+    assert np.asarray(total).tolist() == [[2.0 ** 24]]

@@ -65,10 +65,14 @@ class Codec(abc.ABC):
     def decode_sum(self, ops: TensorOps, payload: Tensor, ctx: Any, scale: float = 1.0) -> Tensor:
         """Decode byte rows ``[N, nbytes]`` and sum them in float32 -> ``[1, cols]``, times
         ``scale`` unless it is 1: the reduce step of the compressed all-reduce. The fused kernels
-        add in rank order starting from +0, as numpy's sum does (PyTorch's sum agrees except on
-        very short rows, which it adds in another order); either way every rank gets the same
-        bits, since each chunk is summed by its owner alone and then sent to all."""
-        total = ops.sum(self.decode(ops, payload, ctx), axis=0, keepdims=True)
+        add in rank order starting from +0; so does this reference, row by row, because a
+        framework's own sum picks its order by device and size (PyTorch's CUDA sum gave other
+        bits than the CPU kernels on an H200). Every rank gets the same bits either way, since
+        each chunk is summed by its owner alone and then sent to all."""
+        rows = self.decode(ops, payload, ctx)
+        total = rows[0:1] + 0.0  # +0 + row0: a -0 becomes +0, as in the kernels
+        for r in range(1, ops.shape(rows)[0]):
+            total = total + rows[r:r + 1]
         return total * scale if scale != 1.0 else total
 
     def state_dict(self) -> Dict[str, Any]:

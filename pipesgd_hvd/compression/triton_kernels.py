@@ -33,7 +33,9 @@ except ImportError:  # pragma: no cover - older Triton
 
 # Globals a @triton.jit function reads must be constexpr.
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
-_NAN = tl.constexpr(float("nan"))
+# No NaN global: Triton re-checks globals by ==, and NaN != NaN failed every launch after the
+# first on an H200 ("Global variable _NAN has changed"); the kernel builds it from its bits.
+_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
 _CAST_TILE = 1024
 
 
@@ -64,7 +66,7 @@ def _quantize_encode_kernel(x_ptr, r_ptr, noise_ptr, out_r_ptr, payload_ptr, col
     amax = tl.maximum(tl.max(tl.abs(ye), axis=0), tl.max(tl.abs(yo), axis=0))
     bad = tl.sum((_nonfinite(ye) | _nonfinite(yo)).to(tl.int32), axis=0)
     finite = bad == 0
-    scale = tl.where(finite, amax, _NAN)
+    scale = tl.where(finite, amax, tl.full([], _QUIET_NAN_BITS, tl.int32).to(tl.float32, bitcast=True))
     safe = tl.where(finite & (amax > 0), amax, 1.0)
     qe = tl.math.div_rn(ye, safe) * LEVELS
     qo = tl.math.div_rn(yo, safe) * LEVELS
