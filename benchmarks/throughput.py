@@ -5,7 +5,8 @@
 One 2-host launch per aim (comm/compute of 0.25x, 1x, 2.5x and 5x), ranks one per host on
 network namespaces with ``tc tbf`` links (``benchmarks/cluster``); then one launch on 4 hosts and
 a Gloo-vs-MPI controller check. Each aim's link rate comes from a calibration that runs first
-(two short launches: compute alone and the float32 all-reduce alone at two rates;
+(two short launches: compute alone and the float32 all-reduce alone at two rates, the second
+about where the largest aim lands;
 ``benchmarks/throughput_plan.py`` fits them and solves for the rate), so the aims hold on any
 CPU; each launch reports the comm/compute it measured and says when it missed its aim by more
 than 20%. Inside a launch every configuration runs side by side, interleaved in rounds
@@ -33,11 +34,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .throughput_analysis import (LABELS, Launch, Model, Target, auto_target, fit_model, phase_rates, speedup,
                                   targets, width1_buckets)
-from .throughput_plan import (AIMS, CALIBRATION_RATES, CommFit, fit_comm, off_aim, plan_rate, rate_bps,
+from .throughput_plan import (AIMS, FIRST_RATE, CommFit, fit_comm, off_aim, plan_rate, rate_bps, second_rate,
                               select_configs)
 from .throughput_worker import AUTO, CODECS, MARKER, TRAINING
 
@@ -408,12 +409,23 @@ def plot(settings: Sequence[Setting], launches: Sequence[Launch], models: Sequen
     fig.savefig(path, dpi=110)
 
 
-def calibrate(args: argparse.Namespace, progress: Progress) -> Dict[str, Any]:
-    """Two short launches, 2 hosts, batch ``args.batch``: compute alone and the float32 all-reduce
-    alone at each of ``CALIBRATION_RATES``; then each aim's rate (``throughput_plan``)."""
+CALIBRATION_LAUNCHES = 2
+
+
+def calibrate(args: argparse.Namespace, progress: Optional[Progress], launch: Optional[Callable[..., Launch]] = None
+              ) -> Dict[str, Any]:
+    """Two short launches (``launch``, default :func:`run_launch`), 2 hosts, batch ``args.batch``:
+    compute alone and the float32 all-reduce alone at ``FIRST_RATE``, then at ``second_rate``;
+    then each aim's rate (``throughput_plan``)."""
     short = argparse.Namespace(**{**vars(args), "rounds": 2, "steps": max(3, args.steps), "comm_reps": 2})
-    launches = [run_launch(Setting(2, rate, args.batch, "calibration"), short, quick=True, progress=progress,
-                           configs=()) for rate in CALIBRATION_RATES]
+
+    def at(rate: str) -> Launch:
+        return (launch or run_launch)(Setting(2, rate, args.batch, "calibration"), short, quick=True,
+                                      progress=progress, configs=())
+
+    first = at(FIRST_RATE)
+    launches = [first, at(second_rate(2, first.grad_bytes, rate_bps(first.rate), first.comm("none"), first.compute,
+                                      max(args.aims)))]
     runs = [(la.rate, la.compute, la.comm("none")) for la in launches]
     compute = sum(c for _, c, _ in runs) / len(runs)
     fit = fit_comm(2, launches[0].grad_bytes, [(rate_bps(rate), t) for rate, _, t in runs])
@@ -436,7 +448,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     from .report import machine_line
 
     calibrating = not args.settings
-    progress = Progress((len(CALIBRATION_RATES) + len(args.aims) if calibrating else len(args.settings))
+    progress = Progress((CALIBRATION_LAUNCHES + len(args.aims) if calibrating else len(args.settings))
                         + bool(args.four_hosts) + (2 if args.controller_check else 0))
     load_before = os.getloadavg()
     start = time.perf_counter()

@@ -3,7 +3,8 @@
 The link rate sets a launch's comm/compute (Horovod's float32 all-reduce alone over compute
 alone). Fixed rates land far from their aim on another CPU (155mbit gave comm/compute 2.18 on a
 slower machine and 5.24 on a faster one), so the driver first measures, on the cluster itself,
-compute alone and the float32 all-reduce alone at two link rates (``CALIBRATION_RATES``), fits
+compute alone and the float32 all-reduce alone at two link rates (``FIRST_RATE``, then
+``second_rate``: about where the largest aim lands, so that the fit interpolates), fits
 
     comm(R) = fixed + wire / (efficiency R),     wire = 2 (N-1)/N  x  gradient bytes x 8
 
@@ -30,8 +31,8 @@ from .throughput_worker import AUTO, TRAINING
 AIMS = (0.25, 1.0, 2.5, 5.0)
 #: How far a launch's measured comm/compute may be from its aim (relative).
 TOLERANCE = 0.2
-#: The calibration's two link rates: far apart in 1/R, so the fit separates fixed from wire.
-CALIBRATION_RATES = ("250mbit", "2500mbit")
+#: The calibration's first link rate: fast, so that its all-reduce is mostly the fixed cost.
+FIRST_RATE = "2500mbit"
 #: The fastest rate a plan gives: an aim that needs more is out of reach (``fixed`` alone too long).
 MAX_RATE = 20e9
 
@@ -87,6 +88,16 @@ def fit_comm(n: int, grad_bytes: float, points: Iterable[Tuple[float, float]]) -
         raise ValueError(f"the all-reduce did not slow down at the lower rate ({points}): is the link shaped?")
     bits = wire_bits(n, grad_bytes)
     return CommFit(fixed, bits, bits / slope)
+
+
+def second_rate(n: int, grad_bytes: float, first_bps: float, first_comm: float, compute: float, aim: float) -> str:
+    """The calibration's second rate: where ``aim`` (the largest) would land at full link use
+    (efficiency 1, the fixed cost being what the first all-reduce took beyond its wire time), so
+    that every aim up to it is interpolated, not extrapolated; at most a quarter of the first rate
+    (two rates far apart in 1/R separate fixed from wire)."""
+    wire = wire_bits(n, grad_bytes)
+    guess = CommFit(max(0.0, first_comm - wire / first_bps), wire, 1.0)
+    return tc_rate(min(rate_bps(plan_rate(guess, aim, compute)[0]), first_bps / 4))
 
 
 def plan_rate(fit: CommFit, aim: float, compute: float) -> Tuple[str, float]:

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from benchmarks import throughput
-from benchmarks.throughput_plan import (MAX_RATE, CommFit, fit_comm, off_aim, plan_rate, rate_bps, select_configs,
-                                        tc_rate, wire_bits)
+from benchmarks.throughput_plan import (MAX_RATE, CommFit, fit_comm, off_aim, plan_rate, rate_bps, second_rate,
+                                        select_configs, tc_rate, wire_bits)
 from benchmarks.throughput_worker import AUTO, CODECS, TRAINING, segments_for
 from test_throughput_analysis import COMM, CPU, STEP, made_up
 
@@ -49,6 +49,40 @@ def test_rate_for_an_aim_solves_fixed_plus_wire_over_rate():
     assert rate_bps(rate) == MAX_RATE and off_aim(predicted, 0.05)
     with pytest.raises(ValueError):
         plan_rate(FIT, 0.0, 0.2)
+
+
+def test_the_second_calibration_rate_sits_where_the_largest_aim_lands():
+    # first: 70 ms at 2.5 Gbit/s, 40 ms of it wire at full use: fixed guessed 30 ms;
+    # aim 5 x 0.2 s: 1.0 = 0.03 + 100e6 / R -> R = 103.1 Mbit/s
+    assert second_rate(2, 12.5e6, 2.5e9, 0.07, 0.2, 5.0) == "103mbit"
+    # small aims only: at most a quarter of the first rate, so the two rates stay far apart
+    assert second_rate(2, 12.5e6, 2.5e9, 0.07, 0.2, 0.25) == "625mbit"
+    # a first all-reduce faster than its wire time (tbf's 512 kB burst): no negative fixed cost
+    assert second_rate(2, 12.5e6, 2.5e9, 0.03, 0.2, 5.0) == "100mbit"
+
+
+def test_calibration_measures_twice_then_plans_every_aim():
+    fit = CommFit(fixed=0.02, wire=128e6, efficiency=0.8)   # made_up's 16 MB on 2 ranks
+    rates = []
+
+    def fake_launch(setting, args, quick, progress, configs):
+        assert quick and configs == () and setting.batch == 512 and args.rounds == 2
+        rates.append(setting.rate)
+        # made_up adds 1 ms on the slower rank: compute 0.2 s, then 0.22 s (the machine got busier)
+        compute = 0.199 if len(rates) == 1 else 0.219
+        la = made_up(STEP, dict(COMM, none=fit.comm(rate_bps(setting.rate)) - 0.001), CPU, compute=compute)
+        la.rate = setting.rate
+        return la
+
+    args = throughput.argparse.Namespace(aims=[1.0, 5.0], batch=512, rounds=3, steps=2, comm_reps=1)
+    cal = throughput.calibrate(args, None, launch=fake_launch)
+    # first 2.5 Gbit/s: 84 ms, fixed guessed 84 - 51.2 = 32.8 ms; aim 5 x 0.2 s: 128e6 / 0.9672 -> 132 Mbit/s
+    assert rates == ["2500mbit", "132mbit"]
+    # compute: the mean of both launches, 0.21 s
+    assert cal["fit"] == pytest.approx(dataclasses.asdict(fit), rel=1e-9) and cal["compute_s"] == pytest.approx(0.21)
+    # aim 1: 128e6 / (0.8 x 0.19) = 842 Mbit/s; aim 5: 128e6 / (0.8 x 1.03) = 155 Mbit/s
+    assert [(a, r) for a, r, _ in cal["plans"]] == [(1.0, "842mbit"), (5.0, "155mbit")]
+    assert [p for _, _, p in cal["plans"]] == pytest.approx([1.0, 5.0], rel=0.005)
 
 
 def test_tc_rates_round_to_three_digits_and_parse_back():
