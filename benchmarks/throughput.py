@@ -207,7 +207,8 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         f"**{setting.hosts} hosts, {setting.rate} links, batch {setting.batch}** ({setting.aim}): compute alone "
         f"{ms(la.compute)} ms (forward {ms(la.median('forward'))}, backward {ms(la.median('backward'))}, update "
         f"{ms(la.median('update'))}); float32 all-reduce alone {ms(la.comm('none'))} ms: **comm/compute "
-        f"{la.comm('none') / la.compute:.2f}**{aim_note(setting, la)}. Other jobs took {la.foreign_share():.0%} of the machine's busy CPU "
+        f"{la.comm('none') / la.compute:.2f}**{aim_note(setting, la)}. Other jobs took {la.foreign_share():.0%} of "
+        "the machine's busy CPU "
         f"time during this launch ({la.busy_at_start:.1f} cores busy when it started, after waiting {la.waited:.0f} s "
         f"for a quieter moment); computing alone a rank got {la.core_share():.0%} of a core "
         f"({ms(main_c)} ms CPU on the compute thread, {ms(other_c)} ms on the others per step).",
@@ -242,8 +243,8 @@ def aim_targets(settings: Sequence[Setting], launches: Sequence[Launch]) -> List
             miss = off_aim(ratio, s.target)
             out.append(Target(f"{la.hosts} hosts, {la.rate}: comm/compute within 20% of its aim {s.target:g}",
                               miss is None, f"{ratio:.2f}", "" if miss is None else
-                              f"comm/compute {ratio:.2f} {miss}; compute alone {ms(la.compute)} ms, float32 all-reduce alone "
-                              f"{ms(la.comm('none'))} ms"))
+                              f"comm/compute {ratio:.2f} {miss}; compute alone {ms(la.compute)} ms, float32 "
+                              f"all-reduce alone {ms(la.comm('none'))} ms"))
     return out
 
 
@@ -326,7 +327,8 @@ def findings(launches: Sequence[Launch]) -> str:
                        for la in two if "w1" in la.configs)
     codecs = [c for c in CODECS if all(c in la.codecs for la in two)]
     cpu = ", ".join(f"{c} {ms(statistics.median(la.comm_cpu(c) for la in two))}" for c in ("none", *codecs))
-    busy = [la.machine_cores(k) for la in two for k in la.configs if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
+    busy = [la.machine_cores(k) for la in two for k in la.configs
+            if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
     rates = "; ".join(f"{la.rate}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in phase_rates(la).items()) for la in two)
     slow = max(two, key=lambda la: la.comm("none") / la.compute) if two else None
     lines = [
@@ -505,7 +507,9 @@ Setup: ranks one per host: network namespaces behind a bridge, each host's egres
 `tc tbf rate R burst 512kb` (a transfer's first 512 kB leave at once, so short transfers can beat R), Horovod's
 {args.controller} controller (`benchmarks/cluster/`). Model: {args.layers} x Linear({args.dim}, {args.dim}),
 {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, one torch thread per rank, SGD; the link rate sets
-comm/compute. {calibration_block(record.get("calibration"))} Every configuration ran {args.rounds} rounds of {args.steps} timed steps (after one untimed step that
+comm/compute.
+{calibration_block(record.get("calibration"))}
+Every configuration ran {args.rounds} rounds of {args.steps} timed steps (after one untimed step that
 refills the pipeline; flushed after), interleaved with the others; step times are medians of the slowest rank.
 
 - *Bound* = max(compute, that codec's all-reduce), both timed alone in the same launch.

@@ -362,7 +362,8 @@ def width1_cause(la: Launch) -> str:
     hid = (la.compute + la.comm("none") - la.median("w1")) / la.comm("none")
     layer = (f"; width 1 with one bucket per layer: {la.median('w1-layer') / la.median('horovod'):.3f} of Horovod"
              if "w1-layer" in la.configs else "")
-    return f"Horovod hid {la.horovod_hidden():.0%} of its all-reduce behind the backward pass, width 1 hid {hid:.0%}" + layer
+    return (f"Horovod hid {la.horovod_hidden():.0%} of its all-reduce behind the backward pass, width 1 hid {hid:.0%}"
+            + layer)
 
 
 def auto_target(la: Launch) -> Target:

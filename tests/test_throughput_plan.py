@@ -138,13 +138,12 @@ def subset(configs: tuple) -> "throughput.Launch":
     """A made-up launch that ran only ``configs``: the other rows' samples are gone."""
     la = made_up(STEP, COMM, CPU)
     la.raw["configs"] = list(configs)
-    gone = [k for k in TRAINING if k not in configs]
     gone_codecs = [c for c in CODECS if f"w2-{c}" not in configs]
+    gone = {k for k in TRAINING if k not in configs} | {f"{kind}-{c}" for c in gone_codecs
+                                                        for kind in ("comm", "codec", "loop")}
     for r in la.raw["per_rank"]:
         for key in list(r["samples"]):
-            base = key.split("/")[-1]
-            if (base in gone or base in [f"comm-{c}" for c in gone_codecs] or base in [f"codec-{c}" for c in gone_codecs]
-                    or base in [f"loop-{c}" for c in gone_codecs]):
+            if key.split("/")[-1] in gone:
                 del r["samples"][key]
     return la
 
@@ -152,7 +151,8 @@ def subset(configs: tuple) -> "throughput.Launch":
 def record(launches, settings, calibration=None) -> dict:
     args = {"controller": "gloo", "layers": 4, "dim": 1000, "rounds": 1, "steps": 2, "controller_check": ""}
     return {"machine": "test", "args": args, "elapsed_s": 60.0, "load_before": [0, 0, 0], "load_after": [0, 0, 0],
-            "settings": [dataclasses.asdict(s) for s in settings], "launches": [dataclasses.asdict(la) for la in launches],
+            "settings": [dataclasses.asdict(s) for s in settings],
+            "launches": [dataclasses.asdict(la) for la in launches],
             "pair": [], "calibration": calibration}
 
 
