@@ -6,9 +6,8 @@ One 2-host launch per aim (comm/compute of 0.25x, 1x, 2.5x and 5x), ranks one pe
 network namespaces with ``tc tbf`` links (``benchmarks/cluster``); then one launch on 4 hosts and
 a Gloo-vs-MPI controller check. Each aim's link rate comes from a calibration that runs first
 (two short launches: compute alone and the float32 all-reduce alone at two rates, the second
-about where the largest aim lands;
-``benchmarks/throughput_plan.py`` fits them and solves for the rate), so the aims hold on any
-CPU; each launch reports the comm/compute it measured and says when it missed its aim by more
+about where the largest aim lands; ``benchmarks/throughput_plan.py`` fits them and solves for
+the rate), so the aims hold on any CPU; each launch reports the comm/compute it measured and says when it missed its aim by more
 than 20%. Inside a launch every configuration runs side by side, interleaved in rounds
 (``benchmarks/throughput_worker.py``); the analysis, the timing model's predictions and the
 targets are in ``benchmarks/throughput_analysis.py``. Writes the "throughput" section of
