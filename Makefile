@@ -16,7 +16,9 @@ test: install
 	$(PY) -m pytest -q tests
 
 # The speed-up on an emulated cluster (network namespaces, shaped links; needs root): writes the
-# "throughput" section of docs/benchmarks.md and docs/img/throughput.png.
+# "throughput" section of docs/benchmarks.md and docs/img/throughput.png. Link rates come from a
+# calibration run first (comm/compute 0.25, 1, 2.5, 5); subsets and fixed rates: --aims, --configs,
+# --settings (python -m benchmarks.throughput --help).
 bench: install
 	$(PY) -m benchmarks.throughput
 

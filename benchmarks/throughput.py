@@ -2,12 +2,23 @@
 
     python -m benchmarks.throughput            (as root; `make bench` runs it)
 
-One launch per setting (link rate and batch, chosen so that communication is about 0.25x, 1x and
-4x the compute of a step), ranks one per host on network namespaces with ``tc tbf`` links
-(``benchmarks/cluster``); then one launch on 4 hosts. Inside a launch every configuration runs
-side by side, interleaved in rounds (``benchmarks/throughput_worker.py``); the analysis, the
-timing model's predictions and the targets are in ``benchmarks/throughput_analysis.py``. Writes
-the "throughput" section of docs/benchmarks.md and docs/img/throughput.png.
+One 2-host launch per aim (comm/compute of 0.25x, 1x, 2.5x and 5x), ranks one per host on
+network namespaces with ``tc tbf`` links (``benchmarks/cluster``); then one launch on 4 hosts and
+a Gloo-vs-MPI controller check. Each aim's link rate comes from a calibration that runs first
+(two short launches: compute alone and the float32 all-reduce alone at two rates, the second
+about where the largest aim lands; ``benchmarks/throughput_plan.py`` fits them and solves for
+the rate), so the aims hold on any CPU; each launch reports the comm/compute it measured and says when it missed its aim by more
+than 20%. Inside a launch every configuration runs side by side, interleaved in rounds
+(``benchmarks/throughput_worker.py``); the analysis, the timing model's predictions and the
+targets are in ``benchmarks/throughput_analysis.py``. Writes the "throughput" section of
+docs/benchmarks.md and docs/img/throughput.png.
+
+Subsets and overrides (the section then holds only what ran; keep such runs out of docs/ with
+``--no-doc``)::
+
+    python -m benchmarks.throughput --aims 1 5 --configs w2 w2-int8     # Horovod always runs too
+    python -m benchmarks.throughput --settings 620mbit:1024 155mbit:512 # fixed RATE:BATCH, no calibration
+    python -m benchmarks.throughput --four-hosts '' --controller-check ''  # 2-host launches only
 """
 from __future__ import annotations
 
@@ -22,10 +33,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .throughput_analysis import (LABELS, Launch, Model, Target, auto_target, fit_model, phase_rates, speedup,
                                   targets, width1_buckets)
+from .throughput_plan import (AIMS, FIRST_RATE, CommFit, fit_comm, off_aim, plan_rate, rate_bps, second_rate,
+                              select_configs)
 from .throughput_worker import AUTO, CODECS, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,11 +51,14 @@ class Setting:
     hosts: int
     rate: str      # tc rate: "250mbit", "1gbit", ...
     batch: int     # per rank: sets the compute time
-    aim: str
+    aim: str       # in words, for the report
+    target: Optional[float] = None  # the comm/compute aimed at (None: a fixed --settings rate)
 
     @classmethod
     def parse(cls, hosts: int, spec: str, aim: str) -> "Setting":
-        rate, batch = spec.split(":")
+        rate, _, batch = spec.partition(":")
+        if not batch.isdigit():
+            raise ValueError(f"not RATE:BATCH: {spec!r}; write e.g. 620mbit:1024")
         return cls(hosts, rate, int(batch), aim)
 
 
@@ -111,7 +127,9 @@ class Progress:
 
 
 def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "", quick: bool = False,
-               progress: Optional[Progress] = None) -> Launch:
+               progress: Optional[Progress] = None, configs: Optional[Sequence[str]] = None) -> Launch:
+    """One launch of the worker on a fresh cluster; ``configs`` (default ``args.configs``) are the
+    configurations it runs beside compute alone."""
     from .cluster import gloo, launch
     from .cluster.netns import Cluster, leftover_namespaces
 
@@ -122,7 +140,8 @@ def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "",
         lines = Path(tmp) / "progress"
         cmd = [sys.executable, "-m", "benchmarks.throughput_worker", "--rounds", str(args.rounds), "--steps",
                str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch), "--dim",
-               str(args.dim), "--layers", str(args.layers), "--progress", str(lines)] + (["--quick"] if quick else [])
+               str(args.dim), "--layers", str(args.layers), "--progress", str(lines),
+               "--configs", ",".join(args.configs if configs is None else configs)] + (["--quick"] if quick else [])
         env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
         waited, busy = wait_for_quiet(args.max_quiet_wait)
         start = time.perf_counter()
@@ -151,7 +170,7 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
     from .report import table
 
     rows = []
-    for key in ("compute", *TRAINING):
+    for key in ("compute", *la.configs):
         t = la.median(key)
         main, other = la.cpu_per_step(key)
         cpu = f"{ms(main)} / {ms(other)} / {la.machine_cores(key):.2f}"
@@ -171,8 +190,10 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
             "engine-free loop ms (step / loop)", "model ms", "step / model",
             "CPU per step: compute thread ms / other threads ms / machine cores busy"]
     codec_rows = []
-    for c in ("none", *CODECS):
+    for c in ("none", *la.codecs):
         key = "w2" if c == "none" else f"w2-{c}"
+        if key not in la.configs:
+            continue
         codec_rows.append([c, ms(la.comm(c)), ms(la.comm_cpu(c)), ms(la.median(f"codec-{c}")) if c != "none" else "-",
                            f"{model.codecs[c].cost_per_byte * 1e9:.2f}", ms(model.comm[c]),
                            f"{model.interference[c]:.2f}", f"{la.raw['wire_ratio'][key]:.3f}"])
@@ -185,7 +206,8 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         f"**{setting.hosts} hosts, {setting.rate} links, batch {setting.batch}** ({setting.aim}): compute alone "
         f"{ms(la.compute)} ms (forward {ms(la.median('forward'))}, backward {ms(la.median('backward'))}, update "
         f"{ms(la.median('update'))}); float32 all-reduce alone {ms(la.comm('none'))} ms: **comm/compute "
-        f"{la.comm('none') / la.compute:.2f}**. Other jobs took {la.foreign_share():.0%} of the machine's busy CPU "
+        f"{la.comm('none') / la.compute:.2f}**{aim_note(setting, la)}. Other jobs took {la.foreign_share():.0%} of "
+        "the machine's busy CPU "
         f"time during this launch ({la.busy_at_start:.1f} cores busy when it started, after waiting {la.waited:.0f} s "
         f"for a quieter moment); computing alone a rank got {la.core_share():.0%} of a core "
         f"({ms(main_c)} ms CPU on the compute thread, {ms(other_c)} ms on the others per step).",
@@ -201,6 +223,39 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         f"{model.overlap['horovod']:.0%} (pipesgd width 1, from its buckets: {model.overlap['w1']:.0%}).",
         *(["", auto_paragraph(la)] if la.auto is not None else []),
     ])
+
+
+def aim_note(setting: Setting, la: Launch) -> str:
+    """After the measured comm/compute: whether it is within 20% of the launch's aim."""
+    if setting.target is None:
+        return ""
+    miss = off_aim(la.comm("none") / la.compute, setting.target)
+    return f" (**{miss}**)" if miss else f" (aim {setting.target:g}: within 20%)"
+
+
+def aim_targets(settings: Sequence[Setting], launches: Sequence[Launch]) -> List[Target]:
+    """Every aimed launch's measured comm/compute within 20% of its aim (the calibration's target)."""
+    out = []
+    for s, la in zip(settings, launches):
+        if s.target is not None:
+            ratio = la.comm("none") / la.compute
+            miss = off_aim(ratio, s.target)
+            out.append(Target(f"{la.hosts} hosts, {la.rate}: comm/compute within 20% of its aim {s.target:g}",
+                              miss is None, f"{ratio:.2f}", "" if miss is None else
+                              f"comm/compute {ratio:.2f} {miss}; compute alone {ms(la.compute)} ms, float32 "
+                              f"all-reduce alone {ms(la.comm('none'))} ms"))
+    return out
+
+
+def calibration_block(calibration: Optional[Dict[str, Any]]) -> str:
+    if calibration is None:
+        return "Link rates: fixed by `--settings` (no calibration)."
+    fit = CommFit(**calibration["fit"])
+    plans = ", ".join(f"{aim:g}x: {rate} (predicted {pred:.2f})" for aim, rate, pred in calibration["plans"])
+    return (f"Link rates from a calibration run first (`benchmarks/throughput_plan.py`): two short launches at "
+            f"{' and '.join(r for r, _, _ in calibration['points'])}, "
+            f"{calibration_line(calibration['compute_s'], calibration['points'], fit)}; the rate for comm/compute "
+            f"X solves fixed + wire / (share x rate) = X x compute, rounded to 3 digits. Aims: {plans}.")
 
 
 def auto_paragraph(la: Launch) -> str:
@@ -264,23 +319,27 @@ def findings(launches: Sequence[Launch]) -> str:
 
     two = [la for la in launches if la.hosts == 2]
     plan = width1_buckets(int(two[0].raw["layers"]), two[0].grad_bytes)["w1"] if two else []
-    ratios = [la.median(k) / la.loop(k) for la in launches for k in TRAINING if k.startswith("w2")]
-    width1 = "; ".join(f"{la.rate}: width 1 {la.median('w1') / la.median('horovod'):.2f}, one bucket per layer "
-                       f"{la.median('w1-layer') / la.median('horovod'):.2f} (Horovod hid {la.horovod_hidden():.0%})"
-                       for la in two)
-    cpu = ", ".join(f"{c} {ms(statistics.median(la.comm_cpu(c) for la in two))}" for c in ("none", *CODECS))
-    busy = [la.machine_cores(k) for la in two for k in TRAINING if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
+    ratios = [la.median(k) / la.loop(k) for la in launches for k in la.configs if k.startswith("w2")]
+    width1 = "; ".join(f"{la.rate}: width 1 {la.median('w1') / la.median('horovod'):.2f}"
+                       + (f", one bucket per layer {la.median('w1-layer') / la.median('horovod'):.2f}"
+                          if "w1-layer" in la.configs else "") + f" (Horovod hid {la.horovod_hidden():.0%})"
+                       for la in two if "w1" in la.configs)
+    codecs = [c for c in CODECS if all(c in la.codecs for la in two)]
+    cpu = ", ".join(f"{c} {ms(statistics.median(la.comm_cpu(c) for la in two))}" for c in ("none", *codecs))
+    busy = [la.machine_cores(k) for la in two for k in la.configs
+            if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
     rates = "; ".join(f"{la.rate}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in phase_rates(la).items()) for la in two)
     slow = max(two, key=lambda la: la.comm("none") / la.compute) if two else None
     lines = [
         f"- **Engine overhead.** In the {len(ratios)} width-2 rows the engine's step was {min(ratios):.2f}-"
         f"{max(ratios):.2f}x (median {statistics.median(ratios):.2f}) that of the same schedule without the engine "
         "(compute, start this step's all-reduce, wait for the previous one): where a pipelined row misses its bound, "
-        "the bare schedule misses it as well.",
+        "the bare schedule misses it as well." if ratios else "- No width-2 rows ran (`--configs`).",
         f"- **Width 1 against Horovod** (step / Horovod's step): {width1}. Horovod starts each layer's all-reduce "
         f"as its gradient is ready; pipesgd's default fusion plan puts the {two[0].grad_bytes / 1e6:.1f} MB gradient "
         f"in {len(plan)} buckets (MB: {', '.join(f'{x * two[0].grad_bytes / 1e6:.1f}' for x in plan)}, in launch "
-        "order), each started once its gradients are in; the other width-1 row caps buckets at one layer.",
+        "order), each started once its gradients are in; the other width-1 row caps buckets at one layer."
+        if width1 else "- **Width 1 against Horovod**: not run (`--configs`).",
         f"- **One core per rank.** An all-reduce alone cost a rank this much CPU (median over the 2-host launches, "
         f"ms): {cpu}. Compute owns the core, so that CPU is taken from it: a pipelined step cannot beat compute + "
         "that CPU, whatever the link" + (f"; the machine was {min(busy):.1f}-{max(busy):.1f} cores busy in the "
@@ -289,7 +348,7 @@ def findings(launches: Sequence[Launch]) -> str:
         + share_of_tcp(two)
         + (f" At {slow.rate} the int8 all-reduce took {ms(slow.comm('int8'))} ms against {ms(slow.comm('none'))} ms "
            f"for float32: {slow.comm('none') / slow.comm('int8'):.1f}x faster for "
-           f"{1 / slow.raw['wire_ratio']['w2-int8']:.1f}x fewer bytes." if slow else ""),
+           f"{1 / slow.raw['wire_ratio']['w2-int8']:.1f}x fewer bytes." if slow and "int8" in slow.codecs else ""),
     ]
     for la in (x for x in launches if x.hosts > 2):
         ref = min(two, key=lambda t: abs(t.comm("none") / t.compute - la.comm("none") / la.compute)) if two else None
@@ -330,9 +389,9 @@ def plot(settings: Sequence[Setting], launches: Sequence[Launch], models: Sequen
     fig = Figure(figsize=(10, 4.2))
     ax = fig.add_subplot()
     width = 0.8 / len(launches)
-    keys = [*TRAINING, AUTO]
+    keys = [k for k in TRAINING if any(k in la.configs for la in launches)] + [AUTO]
     for i, (s, la, model) in enumerate(zip(settings, launches, models)):
-        shown = [k for k in keys if k != AUTO or la.auto is not None]
+        shown = [k for k in keys if k in la.configs or (k == AUTO and la.auto is not None)]
         xs = [keys.index(k) + i * width for k in shown]
         label = f"{s.hosts} hosts, {s.rate} (comm/compute {la.comm('none') / la.compute:.2f})"
         ax.bar(xs, [speedup(la, k) for k in shown], width, label=label, color=f"C{i}")
@@ -351,24 +410,72 @@ def plot(settings: Sequence[Setting], launches: Sequence[Launch], models: Sequen
     fig.savefig(path, dpi=110)
 
 
+CALIBRATION_LAUNCHES = 2
+
+
+def calibrate(args: argparse.Namespace, progress: Optional[Progress], launch: Optional[Callable[..., Launch]] = None
+              ) -> Dict[str, Any]:
+    """Two short launches (``launch``, default :func:`run_launch`), 2 hosts, batch ``args.batch``:
+    compute alone and the float32 all-reduce alone at ``FIRST_RATE``, then at ``second_rate``;
+    then each aim's rate (``throughput_plan``)."""
+    short = argparse.Namespace(**{**vars(args), "rounds": 2, "steps": max(3, args.steps), "comm_reps": 2})
+
+    def at(rate: str) -> Launch:
+        return (launch or run_launch)(Setting(2, rate, args.batch, "calibration"), short, quick=True,
+                                      progress=progress, configs=())
+
+    first = at(FIRST_RATE)
+    launches = [first, at(second_rate(2, first.grad_bytes, rate_bps(first.rate), first.comm("none"), first.compute,
+                                      max(args.aims)))]
+    runs = [(la.rate, la.compute, la.comm("none")) for la in launches]
+    compute = sum(c for _, c, _ in runs) / len(runs)
+    fit = fit_comm(2, launches[0].grad_bytes, [(rate_bps(rate), t) for rate, _, t in runs])
+    plans = [(aim, *plan_rate(fit, aim, compute)) for aim in args.aims]
+    print(f"  calibration: {calibration_line(compute, runs, fit)}; rates: "
+          + ", ".join(f"{aim:g}x -> {rate} (predicted {pred:.2f})" for aim, rate, pred in plans),
+          file=sys.stderr, flush=True)
+    return {"compute_s": compute, "points": runs, "fit": dataclasses.asdict(fit), "plans": plans}
+
+
+def calibration_line(compute: float, points: Sequence[Tuple[str, float, float]], fit: CommFit) -> str:
+    """What the calibration measured, in words: ``points`` are (rate, compute s, all-reduce s)."""
+    return (f"compute alone {ms(compute)} ms (" + ", ".join(f"{ms(c)} at {rate}" for rate, c, _ in points)
+            + "); float32 all-reduce alone " + ", ".join(f"{ms(t)} ms at {rate}" for rate, _, t in points)
+            + f": {ms(fit.fixed)} ms + its {fit.wire / 1e6:.0f} Mbit at {fit.efficiency:.0%} of the link rate")
+
+
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """Runs every launch; returns the raw record that :func:`render` turns into the section."""
     from .report import machine_line
 
-    aims = ("aimed at comm ~0.25x compute", "aimed at comm ~1x compute", "aimed at comm ~2x compute",
-            "aimed at comm ~5x compute")
-    settings = [Setting.parse(2, spec, aims[i] if i < len(aims) else "") for i, spec in enumerate(args.settings)]
-    if args.four_hosts:
-        settings.append(Setting.parse(4, args.four_hosts, "4 ranks on 2 cores: oversubscribed"))
+    calibrating = not args.settings
+    progress = Progress((CALIBRATION_LAUNCHES + len(args.aims) if calibrating else len(args.settings))
+                        + bool(args.four_hosts) + (2 if args.controller_check else 0))
     load_before = os.getloadavg()
     start = time.perf_counter()
-    progress = Progress(len(settings) + (2 if args.controller_check else 0))
-    launches = [run_launch(s, args, progress=progress) for s in settings]
+    calibration = calibrate(args, progress) if calibrating else None
+    if calibration is not None:
+        settings = [Setting(2, rate, args.batch, f"aimed at comm ~{aim:g}x compute", aim)
+                    for aim, rate, _ in calibration["plans"]]
+    else:
+        settings = [Setting.parse(2, spec, "rate set by --settings") for spec in args.settings]
+    if args.four_hosts:
+        settings.append(Setting.parse(4, args.four_hosts, "4 ranks on 2 cores: oversubscribed"))
+    launches = []
+    for s in settings:
+        launches.append(run_launch(s, args, progress=progress))
+        la = launches[-1]
+        if s.target is not None:
+            ratio = la.comm("none") / la.compute
+            print(f"  comm/compute {ratio:.2f}: {off_aim(ratio, s.target) or f'within 20% of its aim {s.target:g}'}",
+                  file=sys.stderr, flush=True)
     pair: List[Launch] = []
     if args.controller_check:
         check = Setting.parse(2, args.controller_check, "controller check")
-        pair = [run_launch(check, args, controller, quick=True, progress=progress) for controller in ("gloo", "mpi")]
+        pair = [run_launch(check, args, controller, quick=True, progress=progress, configs=("horovod", "w2"))
+                for controller in ("gloo", "mpi")]
     return {"machine": machine_line(), "args": vars(args), "elapsed_s": time.perf_counter() - start,
+            "calibration": calibration,
             "load_before": load_before, "load_after": os.getloadavg(),
             "settings": [dataclasses.asdict(s) for s in settings],
             "launches": [dataclasses.asdict(la) for la in launches], "pair": [dataclasses.asdict(la) for la in pair]}
@@ -381,7 +488,7 @@ def render(record: Dict[str, Any], image: Optional[Path]) -> str:
     launches = [Launch(**la) for la in record["launches"]]
     pair = [Launch(**la) for la in record["pair"]]
     models = [fit_model(la) for la in launches]
-    found = targets(launches, dict(enumerate(models)))
+    found = aim_targets(settings, launches) + targets(launches, dict(enumerate(models)))
     if image is not None:
         plot(settings, launches, models, image)
     blocks = "\n\n".join(launch_block(s, la, m) for s, la, m in zip(settings, launches, models))
@@ -399,7 +506,9 @@ Setup: ranks one per host: network namespaces behind a bridge, each host's egres
 `tc tbf rate R burst 512kb` (a transfer's first 512 kB leave at once, so short transfers can beat R), Horovod's
 {args.controller} controller (`benchmarks/cluster/`). Model: {args.layers} x Linear({args.dim}, {args.dim}),
 {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, one torch thread per rank, SGD; the link rate sets
-comm/compute. Every configuration ran {args.rounds} rounds of {args.steps} timed steps (after one untimed step that
+comm/compute.
+{calibration_block(record.get("calibration"))}
+Every configuration ran {args.rounds} rounds of {args.steps} timed steps (after one untimed step that
 refills the pipeline; flushed after), interleaved with the others; step times are medians of the slowest rank.
 
 - *Bound* = max(compute, that codec's all-reduce), both timed alone in the same launch.
@@ -445,10 +554,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--comm-reps", type=int, default=1, help="collective timings per round")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    # RATE:BATCH per 2-host launch, aimed at comm ~0.25x, ~1x, ~2x and ~4x compute (each launch
-    # reports the ratio it measured).
-    parser.add_argument("--settings", nargs="+", default=["5gbit:1024", "620mbit:1024", "310mbit:1024",
-                                                          "155mbit:1024"])
+    parser.add_argument("--aims", nargs="+", type=float, default=list(AIMS), metavar="X",
+                        help="comm/compute of the 2-host launches, one launch each; the rates come from a "
+                             "calibration run first (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=1024, help="per rank, in the 2-host launches")
+    parser.add_argument("--settings", nargs="+", metavar="RATE:BATCH",
+                        help="fixed 2-host launches instead of --aims (no calibration), e.g. 620mbit:1024")
+    parser.add_argument("--configs", nargs="+", metavar="NAME",
+                        help=f"run only these configurations (and Horovod's, and with auto those it chooses "
+                             f"from): {', '.join((*TRAINING, AUTO))}")
     parser.add_argument("--four-hosts", default="620mbit:512", help="RATE:BATCH of the 4-host launch ('' skips it)")
     parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
     parser.add_argument("--controller-check", default="620mbit:1024",
@@ -459,6 +573,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-doc", action="store_true", help="print the section, leave docs/ alone")
     parser.add_argument("--render", metavar="JSON", help="no launches: write the section from a saved record")
     args = parser.parse_args(argv)
+    try:
+        args.configs = list(select_configs(args.configs))
+        for spec in [*(args.settings or []), args.four_hosts, args.controller_check]:
+            if spec:
+                rate_bps(Setting.parse(2, spec, "").rate)
+    except ValueError as e:
+        parser.error(str(e))
+    if not all(aim > 0 for aim in args.aims):
+        parser.error(f"--aims must be > 0, got {args.aims}")
     from .report import write_section
 
     if args.render:

@@ -73,6 +73,16 @@ class Launch:
     def grad_bytes(self) -> int:
         return int(self.raw["grad_bytes"])
 
+    @property
+    def configs(self) -> Tuple[str, ...]:
+        """The training configurations this launch ran (TRAINING keys; all unless ``--configs``)."""
+        return tuple(self.raw.get("configs", TRAINING))
+
+    @property
+    def codecs(self) -> Tuple[str, ...]:
+        """The codecs of its width-2 rows: their compressed all-reduces were timed alone too."""
+        return tuple(codec_of(k) for k in self.configs if k.startswith("w2-"))
+
     def samples(self, key: str) -> List[float]:
         """Per sample, the slowest rank's value (every rank runs the same samples in order)."""
         per_rank = [r["samples"][key] for r in self.raw["per_rank"] if key in r["samples"]]
@@ -206,7 +216,7 @@ def fit_model(launch: Launch) -> Model:
                      (n, 1024, launch.median("ar-small")), (n, m, launch.median("add"), "reduce")])
     share = (n - 1) / n
     codecs: Dict[str, CodecParams] = {"none": MODEL_CODECS["none"]}
-    for c in CODECS:
+    for c in launch.codecs:
         free = MODEL_CODECS[c]  # cost 0: what the wire alone takes
         rest = max(0.0, launch.comm(c) - compressed_allreduce_time(n, m, link, free))
         codecs[c] = dataclasses.replace(free, cost_per_byte=rest / (share * m))
@@ -216,12 +226,13 @@ def fit_model(launch: Launch) -> Model:
     backward = launch.median("backward")
     overlap = {key: bucket_overlap(shares, backward, comm["none"])
                for key, shares in width1_buckets(layers, m).items()}
-    f = {c: interference(launch, c, comm[c]) for c in ("none", *CODECS)}
+    f = {c: interference(launch, c, comm[c]) for c in ("none", *launch.codecs)}
     compute = launch.compute
     step = {**{key: sync_iteration_time(compute, comm["none"], h) for key, h in overlap.items()},
             "w2": pipelined_iteration_time(compute, comm["none"], f["none"]),
-            **{f"w2-{c}": pipelined_iteration_time(compute, comm[c], f[c]) for c in CODECS}}
-    return Model(link, codecs, f, overlap, comm, step)
+            **{f"w2-{c}": pipelined_iteration_time(compute, comm[c], f[c]) for c in launch.codecs}}
+    # every prediction is made; only the rows the launch ran are kept (and compared)
+    return Model(link, codecs, f, overlap, comm, {k: t for k, t in step.items() if k in launch.configs})
 
 
 @dataclass(frozen=True)
@@ -308,31 +319,32 @@ def targets(launches: List[Launch], models: Mapping[int, Model]) -> List[Target]
     five = closest(launches, 5.0)
     if five is not None:
         ratio = five.comm("none") / five.compute
-        for key, need in (("w2-int8", 3.5), ("w2-int4", 4.5)):
+        for key, need in ((k, n) for k, n in (("w2-int8", 3.5), ("w2-int4", 4.5)) if k in five.configs):
             s = speedup(five, key)
             out.append(Target(f"comm ≈ 5x compute ({five.rate}, measured {ratio:.1f}x): {LABELS[key]} >= {need}x "
                               "over Horovod", s >= need, f"{s:.2f}x", "" if s >= need else cause(five, key)))
     for i, la in enumerate(launches):
         where = f"{la.hosts} hosts, {la.rate}"
-        for key in (k for k in TRAINING if k.startswith("w2")):
+        for key in (k for k in la.configs if k.startswith("w2")):
             eff = la.bound(key) / la.median(key)
             out.append(Target(f"{where}: {LABELS[key]} within 10% of max(compute, its all-reduce)", eff >= 1 / 1.1,
                               f"bound / step = {eff:.0%}", "" if eff >= 1 / 1.1 else cause(la, key)))
-        for c in CODECS:
+        for c in la.codecs:
             x = la.comm_cpu(c)
             met = x < 0.2 * la.compute
             out.append(Target(f"{where}: {c} all-reduce's CPU on a rank < 20% of compute", met,
                               f"{x * 1e3:.0f} ms = {x / la.compute:.0%} of compute {la.compute * 1e3:.0f} ms",
                               "" if met else cpu_cause(la, c)))
-        r = la.median("w1") / la.median("horovod")
-        out.append(Target(f"{where}: width 1 within 3% of Horovod", r <= 1.03, f"width 1 / Horovod = {r:.3f}",
-                          "" if r <= 1.03 else width1_cause(la)))
+        if "w1" in la.configs:
+            r = la.median("w1") / la.median("horovod")
+            out.append(Target(f"{where}: width 1 within 3% of Horovod", r <= 1.03, f"width 1 / Horovod = {r:.3f}",
+                              "" if r <= 1.03 else width1_cause(la)))
         model = models[i]
-        ratios = {key: la.median(key) / model.step[key] for key in TRAINING}
+        ratios = {key: la.median(key) / model.step[key] for key in la.configs}
         missed = [key for key, q in ratios.items() if abs(q - 1) > 0.15]
         worst = max(ratios, key=lambda k: abs(ratios[k] - 1))
         out.append(Target(f"{where}: every configuration within 15% of the model", not missed,
-                          f"{len(TRAINING) - len(missed)} of {len(TRAINING)}; furthest: {LABELS[worst]}, step / model = "
+                          f"{len(ratios) - len(missed)} of {len(ratios)}; furthest: {LABELS[worst]}, step / model = "
                           f"{ratios[worst]:.2f}", "; ".join(model_cause(la, model, key) for key in missed)))
     return out
 
@@ -348,8 +360,10 @@ def cpu_cause(la: Launch, codec: str) -> str:
 def width1_cause(la: Launch) -> str:
     """Width 1 against Horovod: how much of the float32 all-reduce each hid behind the backward pass."""
     hid = (la.compute + la.comm("none") - la.median("w1")) / la.comm("none")
-    return (f"Horovod hid {la.horovod_hidden():.0%} of its all-reduce behind the backward pass, width 1 hid {hid:.0%}; "
-            f"width 1 with one bucket per layer: {la.median('w1-layer') / la.median('horovod'):.3f} of Horovod")
+    layer = (f"; width 1 with one bucket per layer: {la.median('w1-layer') / la.median('horovod'):.3f} of Horovod"
+             if "w1-layer" in la.configs else "")
+    return (f"Horovod hid {la.horovod_hidden():.0%} of its all-reduce behind the backward pass, width 1 hid {hid:.0%}"
+            + layer)
 
 
 def auto_target(la: Launch) -> Target:

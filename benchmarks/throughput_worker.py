@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
@@ -40,8 +40,14 @@ LOOPS = tuple(f"loop-{c}" for c in ("none", *CODECS))
 # (its decision is part of the result); compared with the fixed rows it could have chosen.
 AUTO = "auto"
 SEGMENTS = ("compute", *TRAINING, AUTO, *LOOPS)
-# --quick (the controller comparison): enough to see what the launcher does to compute and comm.
-QUICK = ("compute", "horovod", "w2")
+
+
+def segments_for(configs: Sequence[str], quick: bool = False) -> Tuple[str, ...]:
+    """The segments of a launch that runs ``configs`` (TRAINING keys and ``auto``): compute alone
+    always, and each width-2 row's engine-free loop unless ``quick`` (the controller comparison
+    and the calibration: compute and the float32 all-reduce, little else)."""
+    loops = () if quick else tuple(f"loop-{k[3:] or 'none'}" for k in configs if k.startswith("w2"))
+    return tuple(k for k in SEGMENTS if k == "compute" or k in configs or k in loops)
 
 
 class ThreadClock:
@@ -94,7 +100,10 @@ class RankBench:
         torch.manual_seed(hvd.rank())
         self.args, self.hvd, self.torch = args, hvd, torch
         self.x = torch.randn(args.batch, args.dim)
-        self.segments = QUICK if args.quick else SEGMENTS
+        self.segments = segments_for(args.configs.split(",") if args.configs else (), args.quick)
+        self.configs = tuple(k for k in TRAINING if k in self.segments)
+        # the compressed all-reduces timed alone: those of the codecs this launch trains with
+        self.timed_codecs = tuple(k[3:] for k in self.configs if k.startswith("w2-"))
         self.runs = {key: self._make(key) for key in ("compute", *TRAINING, AUTO)
                      if key in self.segments or key == "compute"}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
@@ -256,7 +265,7 @@ class RankBench:
                 "ar-small": float32(self.torch.zeros(256), "ars"),
                 "ag-int8": lambda: self.channel.allgather_async(rows[:1], uid("ag")).wait(),
                 "a2a-int8": lambda: self.channel.alltoall_async(rows, uid("a2a")).wait(),
-                **{f"comm-{c}": compressed(c) for c in CODECS}}
+                **{f"comm-{c}": compressed(c) for c in self.timed_codecs}}
 
     @property
     def row_bytes(self) -> int:
@@ -275,7 +284,7 @@ class RankBench:
         from pipesgd_hvd.compression import resolve_compression
         from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
 
-        for c in CODECS:
+        for c in self.timed_codecs:
             codec = resolve_compression(c)
             rows = self.torch.zeros(self.hvd.size(), codec.padded_cols(-(-self.numel // self.hvd.size())))
             rows.view(-1)[: self.numel] = self.flat
@@ -331,6 +340,7 @@ class RankBench:
         profile: List[Tuple[str, float, int]] = []
         if not args.quick:
             self.codec_round_trips()
+        if not args.quick and "int8" in self.timed_codecs:
             profile = profile_int8(hvd, lambda: self.compressed("int8", self.flat, self.uid("int8")))
         self.channel.close()
         mine = {"samples": self.samples, "our_cpu_s": our1 - our0, "machine_busy_s": busy1[0] - busy0[0],
@@ -339,7 +349,7 @@ class RankBench:
         if hvd.rank() == 0:
             wire = {key: self.runs[key][1].stats.ratio for key in (*TRAINING, AUTO)
                     if key != "horovod" and key in self.runs}
-            result = {"ranks": hvd.size(), "grad_bytes": self.numel * 4, "layers": args.layers,
+            result = {"ranks": hvd.size(), "grad_bytes": self.numel * 4, "layers": args.layers, "configs": self.configs,
                       "row_bytes": self.row_bytes, "per_rank": everyone, "wire_ratio": wire, "int8_profile": profile,
                       "auto": auto}
             sys.stdout.write(MARKER + json.dumps(result) + "\n")
@@ -424,7 +434,9 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--dim", type=int, required=True)
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--auto-measure-steps", type=int, default=5, help="the auto optimizer's measuring steps")
-    parser.add_argument("--quick", action="store_true", help="compute, Horovod, width 2 and the all-reduce only")
+    parser.add_argument("--configs", default=",".join((*TRAINING, AUTO)),
+                        help="comma list of the configurations to run (TRAINING keys and auto; '' for compute only)")
+    parser.add_argument("--quick", action="store_true", help="no loops, collectives: the float32 all-reduce only")
     parser.add_argument("--progress", default="", help="file rank 0 appends a line to after each round")
     RankBench(parser.parse_args(argv)).run()
 
