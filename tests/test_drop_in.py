@@ -20,7 +20,7 @@ def test_horovod_script_trains_digits_with_only_the_import_line_changed(script, 
     changed = [(a, b) for a, b in zip(original.splitlines(), swapped.splitlines()) if a != b]
     assert changed == [(horovod_import, ours)], "exactly one line differs"
     (tmp_path / script).write_text(swapped)
-    out = run_ranks(str(tmp_path / script), timeout=400)
+    out = run_ranks(str(tmp_path / script), timeout=400, via_horovodrun=True)  # as users launch it
     results = re.findall(r"RESULT rank=(\d) test_accuracy=([0-9.]+) replicas_equal=(\w+)", out)
     assert sorted(r for r, _, _ in results) == ["0", "1"], out[-3000:]
     for rank, accuracy, equal in results:

@@ -6,7 +6,7 @@ from launcher import run_ranks
 
 @pytest.mark.parametrize("controller", ["mpi", "gloo"])
 def test_horovod_allreduce_torch_and_tensorflow(controller):
-    out = run_ranks("mp/horovod_ops.py", controller=controller)
+    out = run_ranks("mp/horovod_ops.py", controller=controller, via_horovodrun=True)
     for rank in (0, 1):
         assert f"rank {rank}: horovod.torch allreduce ok" in out
         assert f"rank {rank}: horovod.tensorflow allreduce ok (eager and tf.function)" in out
