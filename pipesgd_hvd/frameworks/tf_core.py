@@ -64,9 +64,12 @@ class KerasCore(PipelineLifecycle):
         self.switched.append(self._track_prediction)
 
     def _track_prediction(self) -> None:
-        """Weight prediction's variables are checkpointed with the pipeline (tf.train.Checkpoint)."""
+        """Weight prediction's and the corrections' variables are checkpointed with the pipeline
+        (tf.train.Checkpoint)."""
         if self.prediction is not None:
             self.graph.prediction_state = self.prediction.state()
+        if self.correction is not None:
+            self.graph.correction_state = self.correction.state()
 
     def weights(self) -> List[Any]:
         return self.variables
@@ -92,9 +95,17 @@ class KerasCore(PipelineLifecycle):
         checked = None
         if self.replicas is not None:  # the weights every rank's forward pass just used
             checked = self.replicas(graph.step_counter.read_value(), variables)
+        # Read before exchange() counts the step (the same variable: ordered in the graph).
+        step, start = graph.step_counter.read_value(), graph.start.read_value()
         reduced, should_apply = graph.exchange(grads)
         if self.prediction is not None:  # the gradients were computed at predicted weights
             self.prediction.restore(variables)
+        if self.correction is not None:  # core/corrections.py, with the traced step
+            has_stale = graph.schedule.has_stale(step, start)
+            reduced = self.correction.correct(list(reduced), variables, step - (graph.config.width - 1), has_stale,
+                                              list(grads))
+            self.correction.remember(step, variables, list(grads), tf.logical_not(graph.schedule.in_warmup(step)),
+                                     applies=has_stale)
 
         def apply_now() -> tf.Tensor:
             apply(reduced, variables)
@@ -125,7 +136,10 @@ class KerasCore(PipelineLifecycle):
         if self.prediction is not None:
             self.prediction.reset(self.variables)  # the real weights, for evaluation or saving
         for step in pending:
-            apply([step.grads[i] for i in range(len(self.variables))], self.variables)
+            grads = [step.grads[i] for i in range(len(self.variables))]
+            if self.correction is not None:
+                grads = self.correction.settle(grads, self.variables, step.step)
+            apply(grads, self.variables)
         return len(pending)
 
     # -------------------------------------------------------------------------- auto mode
@@ -160,6 +174,7 @@ class KerasCore(PipelineLifecycle):
         with self.progress.eager_step():
             self.load_entry(entry)
         self.load_prediction(entry.get("prediction"))
+        self.load_correction(entry.get("corrections"))
 
     # -------------------------------------------------------------------- Horovod elastic
     # Called by frameworks/tf_elastic.py's KerasState; the rule is pipesgd_hvd/elastic.py's. Each
