@@ -1,0 +1,129 @@
+"""The staleness corrections of core/corrections.py in Keras 3's DistributedOptimizer: 2 in-process
+ranks at width 2 (eager) and 1 rank inside tf.function, against a plain Keras optimizer fed the
+corrected gradients (written out here with TensorFlow ops, bitwise); the refusals."""
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import pipesgd_hvd.keras as psgd  # noqa: E402
+from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
+from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps  # noqa: E402
+from threads import run_threads  # noqa: E402
+
+STEPS, LAM = 6, 0.5
+
+
+def make_model():
+    """Named layers: the ranks are threads of one process, so Keras's name counter is shared."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh", name="hidden"),
+                              keras.layers.Dense(3, name="out")], name="net")
+    rng = np.random.default_rng(0)
+    for v in model.trainable_variables:
+        v.assign(rng.standard_normal(tuple(v.shape)).astype("float32") * 0.5)
+    return model
+
+
+def batches(steps, ranks):
+    rng = np.random.default_rng(1)
+    return [[(rng.standard_normal((8, 4)).astype("float32"), rng.standard_normal((8, 3)).astype("float32"))
+             for _ in range(ranks)] for _ in range(steps)]
+
+
+def gradients(model, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def inner():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def train(traced, ranks=2, **options):
+    """Each rank's final weights (after flush())."""
+    data = batches(STEPS, ranks)
+
+    def rank_fn(rank, comm):
+        model = make_model()
+        opt = psgd.DistributedOptimizer(inner(), communicator=comm, width=2, **options)
+        opt.build(model.trainable_variables)
+
+        def step(x, y):
+            opt.apply_gradients(zip(gradients(model, (x, y)), model.trainable_variables))
+
+        run = tf.function(step) if traced else step
+        for t in range(STEPS):
+            run(*data[t][rank])
+        opt.flush()
+        return [v.numpy() for v in model.trainable_variables]
+
+    return run_threads(LocalWorld(ranks, TensorFlowOps()), rank_fn, timeout=120), data
+
+
+def reference(data, rule, ranks=2):
+    """``rule(rank, avg, local_now, local_then, w_now, w_then, shared)`` -> the gradient applied at
+    a pipelined step (``local_now`` None at flush); replicas are simulated one model per rank."""
+    models = [make_model() for _ in range(ranks)]
+    opts = [inner() for _ in range(ranks)]
+    for m, o in zip(models, opts):
+        o.build(m.trainable_variables)
+    pending = None  # (avg, locals, weights per rank, shared)
+    for t in range(STEPS):
+        local = [gradients(m, data[t][r]) for r, m in enumerate(models)]
+        weights = [[tf.identity(v) for v in m.trainable_variables] for m in models]
+        avg = [(a + b) * 0.5 for a, b in zip(*local)] if ranks == 2 else list(local[0])
+        if pending is not None:
+            for r, (m, o) in enumerate(zip(models, opts)):
+                applied = [rule(r, a, f, s, v, wt, pending[3]) for a, f, s, v, wt in
+                           zip(pending[0], local[r], pending[1][r], m.trainable_variables, pending[2][r])]
+                o.apply_gradients(zip(applied, m.trainable_variables))
+        pending = (avg, local, weights, pending is not None)
+    for r, (m, o) in enumerate(zip(models, opts)):
+        applied = [rule(r, a, None, s, v, wt, pending[3]) for a, s, v, wt in
+                   zip(pending[0], pending[1][r], m.trainable_variables, pending[2][r])]
+        o.apply_gradients(zip(applied, m.trainable_variables))
+    return [[v.numpy() for v in m.trainable_variables] for m in models]
+
+
+def dc_rule(rank, g, fresh, stale, w, w_then, shared):
+    return g + (g * g * (tf.identity(w) - w_then)) * LAM
+
+
+def eager_rule(rank, g, fresh, stale, w, w_then, shared, ranks=2):
+    fresh = tf.zeros_like(g) if fresh is None else fresh
+    return g + (fresh - (stale if shared else tf.zeros_like(g))) * (1.0 / ranks)
+
+
+
+
+RULES = {"delay_compensation": dc_rule, "eager": eager_rule}
+
+
+# Two ranks run eagerly (the in-process transport cannot reduce across two threads' graphs); the
+# traced step is checked on one rank (eager mixing at size 1 applies the fresh gradient itself).
+@pytest.mark.parametrize("traced, ranks", [(False, 2), (True, 1)], ids=["eager-2-ranks", "tf.function-1-rank"])
+@pytest.mark.parametrize("kind", sorted(RULES))
+def test_keras_correction_matches_the_reference_rule(kind, traced, ranks):
+    got, data = train(traced, ranks, staleness_correction=kind, dc_lambda=LAM)
+    rule = RULES[kind] if kind != "eager" else (lambda *a: eager_rule(*a, ranks=ranks))
+    want = reference(data, rule, ranks)
+    for rank in range(ranks):
+        for g, w in zip(got[rank], want[rank]):
+            np.testing.assert_array_equal(g, w)  # same ops in the same order: bitwise
+
+
+def test_keras_refuses_adam_prediction_for_now_and_bad_values():
+    comm = LocalWorld(1, TensorFlowOps()).communicator(0)
+    model = make_model()
+    opt = psgd.DistributedOptimizer(keras.optimizers.Adam(0.01), communicator=comm,
+                                    staleness_correction="adam_prediction")
+    with pytest.raises(ValueError, match="adam_prediction.*PyTorch only"):
+        opt.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="needs op=hvd.Average"):
+        psgd.DistributedOptimizer(inner(), communicator=comm, staleness_correction="eager", op="sum")
+    with pytest.raises(ValueError, match="dc_lambda must be a finite number >= 0"):
+        psgd.DistributedOptimizer(inner(), communicator=comm, staleness_correction="delay_compensation",
+                                  dc_lambda=float("nan"))
