@@ -42,13 +42,13 @@ def inner():
     return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
-def train(traced, ranks=2, **options):
+def train(traced, ranks=2, width=2, **options):
     """Each rank's final weights (after flush())."""
     data = batches(STEPS, ranks)
 
     def rank_fn(rank, comm):
         model = make_model()
-        opt = psgd.DistributedOptimizer(inner(), communicator=comm, width=2, **options)
+        opt = psgd.DistributedOptimizer(inner(), communicator=comm, width=width, **options)
         opt.build(model.trainable_variables)
 
         def step(x, y):
@@ -63,28 +63,33 @@ def train(traced, ranks=2, **options):
     return run_threads(LocalWorld(ranks, TensorFlowOps()), rank_fn, timeout=120), data
 
 
-def reference(data, rule, ranks=2):
-    """``rule(rank, avg, local_now, local_then, w_now, w_then, shared)`` -> the gradient applied at
-    a pipelined step (``local_now`` None at flush); replicas are simulated one model per rank."""
+def reference(data, rule, ranks=2, width=2):
+    """``rule(rank, avg, local_now, local_then, w_now, w_then, shared)`` -> the gradient applied
+    for a stale average (``local_now`` None at flush); one model per rank (eager's replicas differ)."""
     models = [make_model() for _ in range(ranks)]
     opts = [inner() for _ in range(ranks)]
     for m, o in zip(models, opts):
         o.build(m.trainable_variables)
-    pending = None  # (avg, locals, weights per rank, shared)
+    queue = []  # (avg, locals, weights per rank, whether that step applied), oldest first
+
+    def apply(pending, local):
+        avg, stale_local, w_then, shared = pending
+        for r, (m, o) in enumerate(zip(models, opts)):
+            fresh = local[r] if local is not None else [None] * len(avg)
+            applied = [rule(r, a, f, s, v, wt, shared) for a, f, s, v, wt in
+                       zip(avg, fresh, stale_local[r], m.trainable_variables, w_then[r])]
+            o.apply_gradients(zip(applied, m.trainable_variables))
+
     for t in range(STEPS):
         local = [gradients(m, data[t][r]) for r, m in enumerate(models)]
         weights = [[tf.identity(v) for v in m.trainable_variables] for m in models]
         avg = [(a + b) * 0.5 for a, b in zip(*local)] if ranks == 2 else list(local[0])
-        if pending is not None:
-            for r, (m, o) in enumerate(zip(models, opts)):
-                applied = [rule(r, a, f, s, v, wt, pending[3]) for a, f, s, v, wt in
-                           zip(pending[0], local[r], pending[1][r], m.trainable_variables, pending[2][r])]
-                o.apply_gradients(zip(applied, m.trainable_variables))
-        pending = (avg, local, weights, pending is not None)
-    for r, (m, o) in enumerate(zip(models, opts)):
-        applied = [rule(r, a, None, s, v, wt, pending[3]) for a, s, v, wt in
-                   zip(pending[0], pending[1][r], m.trainable_variables, pending[2][r])]
-        o.apply_gradients(zip(applied, m.trainable_variables))
+        applies = len(queue) == width - 1
+        if applies:
+            apply(queue.pop(0), local)
+        queue.append((avg, local, weights, applies))
+    for pending in queue:
+        apply(pending, None)
     return [[v.numpy() for v in m.trainable_variables] for m in models]
 
 
@@ -103,13 +108,15 @@ RULES = {"delay_compensation": dc_rule, "eager": eager_rule}
 
 
 # Two ranks run eagerly (the in-process transport cannot reduce across two threads' graphs); the
-# traced step is checked on one rank (eager mixing at size 1 applies the fresh gradient itself).
-@pytest.mark.parametrize("traced, ranks", [(False, 2), (True, 1)], ids=["eager-2-ranks", "tf.function-1-rank"])
+# traced step is checked on one rank (eager mixing at size 1 applies the fresh gradient itself),
+# at width 2 and at width 3 (two slots: the traced slot choice).
+@pytest.mark.parametrize("traced, ranks, width", [(False, 2, 2), (True, 1, 2), (True, 1, 3)],
+                         ids=["eager-2-ranks", "tf.function-1-rank", "tf.function-width-3"])
 @pytest.mark.parametrize("kind", sorted(RULES))
-def test_keras_correction_matches_the_reference_rule(kind, traced, ranks):
-    got, data = train(traced, ranks, staleness_correction=kind, dc_lambda=LAM)
+def test_keras_correction_matches_the_reference_rule(kind, traced, ranks, width):
+    got, data = train(traced, ranks, width, staleness_correction=kind, dc_lambda=LAM)
     rule = RULES[kind] if kind != "eager" else (lambda *a: eager_rule(*a, ranks=ranks))
-    want = reference(data, rule, ranks)
+    want = reference(data, rule, ranks, width)
     for rank in range(ranks):
         for g, w in zip(got[rank], want[rank]):
             np.testing.assert_array_equal(g, w)  # same ops in the same order: bitwise

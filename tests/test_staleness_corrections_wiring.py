@@ -19,14 +19,14 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def train_ranks(make_inner, steps=STEPS, ranks=2, **options):
+def train_ranks(make_inner, steps=STEPS, ranks=2, width=2, **options):
     """Each rank's final weights after ``steps`` steps and flush()."""
     world, batches = LocalWorld(ranks, TORCH_OPS), make_batches(steps, ranks)
 
     def rank_fn(rank, comm):
         model = make_model()
         opt = psgd.DistributedOptimizer(make_inner(model.parameters()), named_parameters=model.named_parameters(),
-                                        communicator=comm, width=2, **options)
+                                        communicator=comm, width=width, **options)
         for t in range(steps):
             opt.zero_grad()
             loss_fn(model, batches[t][rank]).backward()
@@ -43,7 +43,7 @@ def assert_same(got, want):
 
 
 # ------------------------------------------------------------------------ delay compensation
-def reference_dc(batches, steps, lam, warmup=0, break_with=None):
+def reference_dc(batches, steps, lam, warmup=0, width=2):
     """g + (g * g * (w_now - w_then)) * lam for each stale average; w_then: the weights its
     gradients were computed at. Synchronous (warm-up) steps apply their own gradient as it is."""
     model = make_model()
@@ -56,7 +56,7 @@ def reference_dc(batches, steps, lam, warmup=0, break_with=None):
                 p.grad = g + (g * g * (p - wt)) * lam
         opt.step()
 
-    pending = None
+    queue = []  # (average, the weights it was computed at), oldest first
     for t in range(steps):
         w_now = [p.detach().clone() for p in params]
         mean = mean_gradient(model, batches[t])
@@ -65,10 +65,11 @@ def reference_dc(batches, steps, lam, warmup=0, break_with=None):
                 p.grad = g
             opt.step()
             continue
-        if pending is not None:
-            apply(*pending)
-        pending = (mean, w_now)
-    apply(*pending)  # flush(): the weights now against the step's own
+        if len(queue) == width - 1:
+            apply(*queue.pop(0))
+        queue.append((mean, w_now))
+    for pending in queue:  # flush(): the weights now against each step's own
+        apply(*pending)
     return [p.detach().clone() for p in params]
 
 
@@ -79,6 +80,11 @@ def test_delay_compensation_matches_the_reference_rule_on_two_ranks():
         assert_same(weights, want)
     plain = reference_dc(batches, STEPS, 0.0)
     assert not all(torch.equal(a, b) for a, b in zip(want, plain)), "the correction changed nothing"
+
+
+def test_delay_compensation_at_width_3_keeps_two_weight_copies_apart():
+    got, batches = train_ranks(sgd, width=3, staleness_correction="delay_compensation", dc_lambda=LAM)
+    assert_same(got[1], reference_dc(batches, STEPS, LAM, width=3))
 
 
 def test_delay_compensation_leaves_warm_up_steps_alone():
@@ -102,13 +108,14 @@ def test_delay_compensation_at_width_1_is_synchronous_bit_for_bit():
 
 
 # -------------------------------------------------------------------------------- eager
-def reference_eager(batches, steps, ranks=2):
-    """Each rank r: step t applies avg(t-1) + (l_r(t) - l_r(t-1)) * (1/N), where l_r(t-1) counts
-    only if step t-1 applied it (the fill step does not); flush applies avg + (0 - l_r) * (1/N).
-    Replicas differ, so each rank's model is simulated with its own weights."""
+def reference_eager(batches, steps, ranks=2, width=2):
+    """Each rank r: step t applies avg(s) + (l_r(t) - l_r(s)) * (1/N), s = t - width + 1, where
+    l_r(s) counts only if step s applied it (a fill step does not); flush applies
+    avg(s) + (0 - l_r(s)) * (1/N) for each step in flight. Replicas differ, so each rank's model
+    is simulated with its own weights."""
     models = [make_model() for _ in range(ranks)]
     opts = [sgd(m.parameters()) for m in models]
-    pending, shared = None, [None] * ranks
+    queue = []  # (avg, local per rank, whether that step applied its share), oldest first
     for t in range(steps):
         local = []
         for m, batch in zip(models, batches[t]):
@@ -116,18 +123,21 @@ def reference_eager(batches, steps, ranks=2):
             loss_fn(m, batch).backward()
             local.append([p.grad.clone() for p in m.parameters()])
         avg = [(a + b) * 0.5 for a, b in zip(*local)] if ranks == 2 else local[0]
-        if pending is not None:
+        applies = len(queue) == width - 1
+        if applies:
+            stale_avg, stale_local, shared = queue.pop(0)
             for r, (m, opt) in enumerate(zip(models, opts)):
-                stale = shared[r] if shared[r] is not None else [torch.zeros_like(a) for a in pending]
-                for p, a, f, s in zip(m.parameters(), pending, local[r], stale):
+                stale = stale_local[r] if shared else [torch.zeros_like(a) for a in stale_avg]
+                for p, a, f, s in zip(m.parameters(), stale_avg, local[r], stale):
                     p.grad = a + (f - s) * (1.0 / ranks)
                 opt.step()
-            shared = [list(grads) for grads in local]
-        pending = avg
-    for r, (m, opt) in enumerate(zip(models, opts)):
-        for p, a, s in zip(m.parameters(), pending, shared[r]):
-            p.grad = a + (torch.zeros_like(a) - s) * (1.0 / ranks)
-        opt.step()
+        queue.append((avg, local, applies))
+    for stale_avg, stale_local, shared in queue:
+        for r, (m, opt) in enumerate(zip(models, opts)):
+            stale = stale_local[r] if shared else [torch.zeros_like(a) for a in stale_avg]
+            for p, a, s in zip(m.parameters(), stale_avg, stale):
+                p.grad = a + (torch.zeros_like(a) - s) * (1.0 / ranks)
+            opt.step()
     return [[p.detach().clone() for p in m.parameters()] for m in models]
 
 
@@ -137,6 +147,12 @@ def test_eager_matches_the_reference_rule_on_two_ranks():
     for weights, ref in zip(got, want):
         assert_same(weights, ref)
     assert not all(torch.equal(a, b) for a, b in zip(got[0], got[1])), "each rank mixes its own gradient in"
+
+
+def test_eager_at_width_3_matches_the_reference_rule():
+    got, batches = train_ranks(sgd, width=3, staleness_correction="eager")
+    for weights, ref in zip(got, reference_eager(batches, STEPS, width=3)):
+        assert_same(weights, ref)
 
 
 def test_eager_with_plain_sgd_ends_where_synchronous_would_be_near():
