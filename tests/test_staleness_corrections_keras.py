@@ -134,3 +134,38 @@ def test_keras_refuses_adam_prediction_for_now_and_bad_values():
     with pytest.raises(ValueError, match="dc_lambda must be a finite number >= 0"):
         psgd.DistributedOptimizer(inner(), communicator=comm, staleness_correction="delay_compensation",
                                   dc_lambda=float("nan"))
+
+
+@pytest.mark.parametrize("kind", sorted(RULES))
+def test_keras_checkpoint_entry_resumes_the_correction_exactly(kind):
+    """pipeline_state_dict() holds the in-flight step's w_then copy / local share; resumed into a
+    fresh optimizer it continues as the uninterrupted run does."""
+    comm = LocalWorld(1, TensorFlowOps()).communicator(0)
+    data = batches(STEPS, 1)
+
+    def build():
+        model = make_model()
+        opt = psgd.DistributedOptimizer(inner(), communicator=comm, width=2, staleness_correction=kind, dc_lambda=LAM)
+        opt.build(model.trainable_variables)
+        return model, opt
+
+    def run(model, opt, steps):
+        for t in steps:
+            opt.apply_gradients(zip(gradients(model, data[t][0]), model.trainable_variables))
+
+    model, opt = build()
+    run(model, opt, range(3))
+    entry = opt.pipeline_state_dict()
+    assert entry["corrections"]["kind"] == kind
+    saved = [v.numpy() for v in model.variables + opt.variables]
+    run(model, opt, range(3, STEPS))
+    opt.flush()
+
+    resumed_model, resumed = build()
+    for v, value in zip(resumed_model.variables + resumed.variables, saved):
+        v.assign(value)
+    resumed.load_pipeline_state_dict(entry)
+    run(resumed_model, resumed, range(3, STEPS))
+    resumed.flush()
+    for a, b in zip(resumed_model.trainable_variables, model.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
