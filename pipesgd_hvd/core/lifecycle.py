@@ -160,7 +160,8 @@ class PipelineLifecycle:
         with self.weights_guard():
             if kind == "adam_prediction":
                 self.check_adam_support()
-                return AdamPrediction(self.ops, self.weights(), weak_method(self.adam_state), host_flag=self.eager_steps)
+                return AdamPrediction(self.ops, self.weights(), weak_method(self.adam_state),
+                                      host_flag=self.eager_steps)
             return WeightPrediction(self.ops, self.weights(), host_flag=self.eager_steps)
 
     def _new_correction(self) -> Optional[StaleCorrection]:

@@ -167,7 +167,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          scale_local_gradients: bool = True, *, width: Any = 2, warmup_steps: int = 0,
                          fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20, seed: int = 0,
                          communicator: Any = None, staleness_correction: Any = False,
-                         dc_lambda: float = DEFAULT_DC_LAMBDA, check_replicas_every: Optional[int] = None, auto_measure_steps: int = 10,
+                         dc_lambda: float = DEFAULT_DC_LAMBDA, check_replicas_every: Optional[int] = None,
+                         auto_measure_steps: int = 10,
                          auto_recheck_every: Optional[int] = 500) -> Any:
     """Wraps a Keras 3 optimizer so that gradients are averaged across ranks, pipelined.
 

@@ -80,7 +80,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Horovod's arguments keep their meaning (``compression`` also takes ours:
     ``psgd.Compression.fp16``, ``.bf16``, ``.int8``, ``.int4``, ...). Ours, keyword-only:
     ``width`` (or ``"auto"``), ``warmup_steps``, ``fusion_threshold_mb``, ``communicator``,
-    ``grad_scaler``, ``seed``, ``check_replicas_every``, ``staleness_correction``,
+    ``grad_scaler``, ``seed``, ``check_replicas_every``, ``staleness_correction`` (and ``dc_lambda``),
     ``auto_measure_steps``, ``auto_recheck_every``: ``docs/options.md`` describes each, and
     ``docs/reliability.md`` every error.
     """
@@ -92,7 +92,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  warmup_steps: int = 0, fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20,
                  communicator: Any = None, grad_scaler: Any = None, seed: int = 0,
                  check_replicas_every: Optional[int] = None, staleness_correction: Any = False,
-                 dc_lambda: float = DEFAULT_DC_LAMBDA, auto_measure_steps: int = 10, auto_recheck_every: Optional[int] = 500) -> None:
+                 dc_lambda: float = DEFAULT_DC_LAMBDA, auto_measure_steps: int = 10,
+                 auto_recheck_every: Optional[int] = 500) -> None:
         # Every check runs before the first collective, so a bad argument (the same on every
         # rank, as the code is) raises on every rank and no rank is left waiting.
         if not isinstance(optimizer, torch.optim.Optimizer):

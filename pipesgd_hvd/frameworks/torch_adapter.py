@@ -125,8 +125,8 @@ class TorchAdapter:
     def check_adam_support(self) -> None:
         """``staleness_correction="adam_prediction"`` reads Adam's moments: Adam/AdamW only."""
         if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            raise ValueError(f"staleness_correction='adam_prediction' predicts with Adam's own next step, but the wrapped "
-                             f"optimizer is {type(self.optimizer).__name__}: wrap torch.optim.Adam or AdamW, or use "
+            raise ValueError("staleness_correction='adam_prediction' predicts with Adam's own next step, but the "
+                             f"wrapped optimizer is {type(self.optimizer).__name__}: wrap torch.optim.Adam or AdamW, or use "
                              "staleness_correction='weight_prediction'")
         if any(group.get("maximize") for group in self.optimizer.param_groups):
             raise ValueError("staleness_correction='adam_prediction' does not support Adam(maximize=True): use "
