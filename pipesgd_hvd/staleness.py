@@ -129,16 +129,20 @@ class WeightPrediction:
 class AdamState:
     """What Adam/AdamW's next step of one tensor depends on, as the adapter reads it from the
     wrapped optimizer: moments after ``step`` updates, and the settings of its group.
-    ``decoupled_weight_decay``: AdamW's (applied to the weights); Adam's L2 term is inside ``m``."""
+    ``decoupled_weight_decay``: AdamW's (applied to the weights); Adam's L2 term is inside ``m``.
+    ``step``, ``lr`` and ``decoupled_weight_decay`` may be traced tensors (Keras: ``step`` the
+    float32 iteration count, which may be 0). ``eps_on_raw_v``: the optimizer adds eps to sqrt(v)
+    rather than to sqrt(v_hat) (Keras's Adam does), so the eps of ``adam_direction`` is scaled."""
 
     m: Tensor
     v: Tensor
-    step: int
-    lr: float
+    step: Any
+    lr: Any
     beta1: float
     beta2: float
     eps: float
-    decoupled_weight_decay: float = 0.0
+    decoupled_weight_decay: Any = 0.0
+    eps_on_raw_v: bool = False
 
 
 class AdamPrediction(WeightPrediction):
@@ -156,7 +160,15 @@ class AdamPrediction(WeightPrediction):
 
     def _predicted(self, index: int, current: Tensor, previous: Tensor) -> Tensor:
         state = self.state_of(index)
-        if state is None or state.step < 1:
+        if state is None or (isinstance(state.step, int) and state.step < 1):
             return current
-        return current - adam_direction(self.ops, state.m, state.v, state.step, state.lr, state.beta1, state.beta2,
-                                        state.eps, weight=current, weight_decay=state.decoupled_weight_decay)
+        ops, traced = self.ops, not isinstance(state.step, int)
+        step = ops.where(state.step >= 1, state.step, 1.0) if traced else state.step  # no update yet: 0
+        eps = state.eps
+        if state.eps_on_raw_v:  # lr m_hat / (sqrt(v_hat) + eps / sqrt(1 - beta2^t)): Keras's own form
+            eps = eps * (1.0 / (1.0 - state.beta2 ** step)) ** 0.5
+        direction = adam_direction(ops, state.m, state.v, step, state.lr, state.beta1, state.beta2, eps,
+                                   weight=current, weight_decay=state.decoupled_weight_decay)
+        if traced:
+            return ops.where(state.step >= 1, current - direction, current)
+        return current - direction

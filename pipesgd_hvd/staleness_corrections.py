@@ -48,8 +48,9 @@ def adam_direction(ops: TensorOps, m: Tensor, v: Tensor, step: int, lr: float, b
                    beta2: float, eps: float, weight: Optional[Tensor] = None,
                    weight_decay: float = 0.0) -> Tensor:
     """The step Adam (or AdamW when ``weight`` and ``weight_decay`` are given) subtracts next,
-    from its first and second moments after ``step`` (>= 1) updates, bias-corrected."""
-    if step < 1:
+    from its first and second moments after ``step`` (>= 1) updates, bias-corrected. ``step``
+    may be a traced float tensor (Keras's iteration count); the caller then keeps it >= 1."""
+    if isinstance(step, int) and step < 1:
         raise ValueError(f"step must be >= 1 (the moments exist after the first update), got {step}")
     m_hat = m * (1.0 / (1.0 - beta1 ** step))
     v_hat = v * (1.0 / (1.0 - beta2 ** step))

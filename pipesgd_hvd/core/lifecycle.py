@@ -150,8 +150,8 @@ class PipelineLifecycle:
 
     def check_adam_support(self) -> None:
         """Raises a ValueError naming the fix where the wrapped optimizer is not Adam/AdamW."""
-        raise ValueError("staleness_correction='adam_prediction' is implemented for PyTorch only so far (Keras reads "
-                         "no Adam moments yet): use 'weight_prediction', 'delay_compensation' or 'eager' here")
+        raise ValueError("staleness_correction='adam_prediction' needs an adapter that reads Adam's moments, and this "
+                         "one does not: use 'weight_prediction', 'delay_compensation' or 'eager'")
 
     def _new_prediction(self) -> Optional[WeightPrediction]:
         kind = self.options.staleness_correction

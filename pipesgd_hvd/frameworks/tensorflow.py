@@ -48,7 +48,7 @@ class _PipelinedOptimizer:
             from ..comm.horovod_tensorflow import HorovodTensorFlowCommunicator
 
             comm = HorovodTensorFlowCommunicator()
-        core = KerasCore(self._pipesgd_options, list(variables), comm)
+        core = KerasCore(self._pipesgd_options, list(variables), comm, optimizer=self)
         object.__setattr__(self, "_pipesgd_core", core)  # plain: Keras must not track it as state
         self._pipesgd = core.graph
         core.switched.append(lambda: setattr(self, "_pipesgd", core.graph))  # the auto mode's new one
