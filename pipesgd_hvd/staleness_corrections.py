@@ -2,8 +2,9 @@
 
 Width 2 applies at step t+1 the averaged gradient of step t, computed at weights w_t. These pure
 functions compute the corrected gradient or prediction direction; they hold no state, so the
-PyTorch and Keras adapters can call them eagerly or inside a traced step. Not yet selectable
-through ``staleness_correction=`` (the adapters' wiring is left for the next change).
+PyTorch and Keras adapters can call them eagerly or inside a traced step. Selected with
+``staleness_correction=`` ("delay_compensation", "eager", "adam_prediction"): the per-step state
+and sequencing are :mod:`pipesgd_hvd.core.corrections`' and :class:`pipesgd_hvd.staleness.AdamPrediction`'s.
 
 - :func:`delay_compensated` (DC-ASGD, SAPipe's DC): the first-order Taylor step of the gradient
   from w_then to w_now, with the Hessian approximated by lam * g ⊙ g:

@@ -154,8 +154,9 @@ class StaleCorrection:
 class DelayCompensation(StaleCorrection):
     """DC-ASGD's first-order correction: the average of step s, computed at the weights w_s,
     becomes ``g + lam * g * g * (w_now - w_s)``. Keeps w_s for each of the K - 1 steps in flight:
-    K - 1 copies of the weights (one at width 2). Per applied step: three element-wise passes,
-    plus one copy of the weights (and, traced with K > 2, a ``where`` pass per slot)."""
+    K - 1 copies of the weights (one at width 2). Per applied step: five element-wise ops per
+    tensor (each a temporary) and one copy of the weights into the slot (traced: also ``where``
+    passes to select, and with K > 2 one per slot)."""
 
     name = "delay_compensation"
 
@@ -194,7 +195,7 @@ class EagerMix(StaleCorrection):
     steps replicas differ by their last local share (bounded for SGD; with momentum or Adam the
     optimizer states differ too), so the replica check is refused with it.
     Keeps one copy of the local gradients per step in flight (K - 1 copies of the model's size);
-    per step: four element-wise passes and one copy."""
+    per step: a zeros tensor and three element-wise ops per tensor, and one copy into the slot."""
 
     name = "eager"
     needs_local = True
