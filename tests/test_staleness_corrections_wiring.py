@@ -278,3 +278,31 @@ def test_checkpoint_resumes_the_correction_exactly(kind):
     train(resumed, resumed_model, range(4, STEPS))
     resumed.flush()
     assert_same(list(resumed_model.parameters()), list(model.parameters()))
+
+
+def test_a_checkpoint_with_correction_state_loaded_on_one_rank_only_is_refused_on_every_rank():
+    """Horovod's load-on-rank-0-then-broadcast pattern cannot carry the per-rank correction state."""
+    batches = make_batches(3, 2)
+    model = make_model()
+    solo = psgd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                     communicator=LocalWorld(1, TORCH_OPS).communicator(0), width=2,
+                                     staleness_correction="delay_compensation")
+    for t in range(2):
+        solo.zero_grad()
+        loss_fn(model, batches[t][0]).backward()
+        solo.step()
+    state = copy.deepcopy(solo.state_dict())
+
+    def rank_fn(rank, comm):
+        m = make_model()
+        opt = psgd.DistributedOptimizer(sgd(m.parameters()), named_parameters=m.named_parameters(),
+                                        communicator=comm, width=2, staleness_correction="delay_compensation")
+        if rank == 0:
+            opt.load_state_dict(state)
+        opt.zero_grad()
+        loss_fn(m, batches[2][rank]).backward()
+        with pytest.raises(ValueError, match="load the same checkpoint on every rank"):
+            opt.step()
+        return True
+
+    assert run_threads(LocalWorld(2, TORCH_OPS), rank_fn) == [True, True]
