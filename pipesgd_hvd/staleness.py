@@ -15,8 +15,10 @@ Between steps the parameters hold the prediction: evaluate or save inside :meth:
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .staleness_corrections import adam_direction
 from .tensor_ops import Tensor, TensorOps
 
 
@@ -52,6 +54,10 @@ class WeightPrediction:
         if not self.host_flag:
             self.ops.assign(self.started, self.ops.full((), 1.0 if value else 0.0, "float32"))
 
+    def _predicted(self, index: int, current: Tensor, previous: Tensor) -> Tensor:
+        """The guess of the next real weights of tensor ``index``."""
+        return current * 2.0 - previous
+
     def restore(self, params: Sequence[Any]) -> None:
         """Puts the real weights back into ``params`` (before the optimizer's update)."""
         ops, started = self.ops, self._started()
@@ -64,10 +70,10 @@ class WeightPrediction:
         """``params`` hold the real weights w_{t+1}: keep them, write w_{t+1} + (w_{t+1} - w_t).
         On the first call w_t is taken as w_{t+1} (no update to extrapolate with yet)."""
         ops, started = self.ops, self._started()
-        for prev, cur, p in zip(self.previous, self.current, params):
+        for i, (prev, cur, p) in enumerate(zip(self.previous, self.current, params)):
             ops.assign(prev, self._select(started, ops.read(cur), ops.read(p)))
             ops.assign(cur, ops.read(p))
-            ops.assign(p, ops.read(cur) * 2.0 - ops.read(prev))
+            ops.assign(p, self._predicted(i, ops.read(cur), ops.read(prev)))
         self._set(True)
 
     def reapply(self, params: Sequence[Any]) -> None:
@@ -76,8 +82,8 @@ class WeightPrediction:
         ops, started = self.ops, self._started()
         if self.host_flag and not started:
             return
-        for prev, cur, p in zip(self.previous, self.current, params):
-            ops.assign(p, self._select(started, ops.read(cur) * 2.0 - ops.read(prev), ops.read(p)))
+        for i, (prev, cur, p) in enumerate(zip(self.previous, self.current, params)):
+            ops.assign(p, self._select(started, self._predicted(i, ops.read(cur), ops.read(prev)), ops.read(p)))
 
     def reset(self, params: Sequence[Any]) -> None:
         """Restores the real weights and starts afresh (after a flush)."""
@@ -117,3 +123,52 @@ class WeightPrediction:
             ops.assign(prev, state["previous"][n])
         self._set(bool(state["started"]))
         self.reapply(params)
+
+
+@dataclass(frozen=True)
+class AdamState:
+    """What Adam/AdamW's next step of one tensor depends on, as the adapter reads it from the
+    wrapped optimizer: moments after ``step`` updates, and the settings of its group.
+    ``decoupled_weight_decay``: AdamW's (applied to the weights); Adam's L2 term is inside ``m``.
+    ``step``, ``lr`` and ``decoupled_weight_decay`` may be traced tensors (Keras: ``step`` the
+    float32 iteration count, which may be 0). ``eps_on_raw_v``: the optimizer adds eps to sqrt(v)
+    rather than to sqrt(v_hat) (Keras's Adam does), so the eps of ``adam_direction`` is scaled."""
+
+    m: Tensor
+    v: Tensor
+    step: Any
+    lr: Any
+    beta1: float
+    beta2: float
+    eps: float
+    decoupled_weight_decay: Any = 0.0
+    eps_on_raw_v: bool = False
+
+
+class AdamPrediction(WeightPrediction):
+    """Weight prediction with the wrapped Adam/AdamW's own next step instead of the last update:
+    predicted = w - adam_direction(m, v, ...) with the moments as they are now (ACCO, NeurIPS
+    2025, finds that extrapolating the raw update falls short with Adam). ``state_of(i)`` reads
+    tensor i's :class:`AdamState` (None before its first update: no prediction for it yet).
+    Same memory as weight prediction (``previous`` is kept so that the state and checkpoint
+    format stay one), plus the direction's temporaries; about six element-wise passes per tensor."""
+
+    def __init__(self, ops: TensorOps, params: Sequence[Any], state_of: Callable[[int], Optional[AdamState]],
+                 host_flag: bool = False) -> None:
+        super().__init__(ops, params, host_flag)
+        self.state_of = state_of
+
+    def _predicted(self, index: int, current: Tensor, previous: Tensor) -> Tensor:
+        state = self.state_of(index)
+        if state is None or (isinstance(state.step, int) and state.step < 1):
+            return current
+        ops, traced = self.ops, not isinstance(state.step, int)
+        step = ops.where(state.step >= 1, state.step, 1.0) if traced else state.step  # no update yet: 0
+        eps = state.eps
+        if state.eps_on_raw_v:  # lr m_hat / (sqrt(v_hat) + eps / sqrt(1 - beta2^t)): Keras's own form
+            eps = eps * (1.0 / (1.0 - state.beta2 ** step)) ** 0.5
+        direction = adam_direction(ops, state.m, state.v, step, state.lr, state.beta1, state.beta2, eps,
+                                   weight=current, weight_decay=state.decoupled_weight_decay)
+        if traced:
+            return ops.where(state.step >= 1, current - direction, current)
+        return current - direction

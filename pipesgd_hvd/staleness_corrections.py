@@ -2,8 +2,9 @@
 
 Width 2 applies at step t+1 the averaged gradient of step t, computed at weights w_t. These pure
 functions compute the corrected gradient or prediction direction; they hold no state, so the
-PyTorch and Keras adapters can call them eagerly or inside a traced step. Not yet selectable
-through ``staleness_correction=`` (the adapters' wiring is left for the next change).
+PyTorch and Keras adapters can call them eagerly or inside a traced step. Selected with
+``staleness_correction=`` ("delay_compensation", "eager", "adam_prediction"): the per-step state
+and sequencing are :mod:`pipesgd_hvd.core.corrections`' and :class:`pipesgd_hvd.staleness.AdamPrediction`'s.
 
 - :func:`delay_compensated` (DC-ASGD, SAPipe's DC): the first-order Taylor step of the gradient
   from w_then to w_now, with the Hessian approximated by lam * g ⊙ g:
@@ -48,8 +49,9 @@ def adam_direction(ops: TensorOps, m: Tensor, v: Tensor, step: int, lr: float, b
                    beta2: float, eps: float, weight: Optional[Tensor] = None,
                    weight_decay: float = 0.0) -> Tensor:
     """The step Adam (or AdamW when ``weight`` and ``weight_decay`` are given) subtracts next,
-    from its first and second moments after ``step`` (>= 1) updates, bias-corrected."""
-    if step < 1:
+    from its first and second moments after ``step`` (>= 1) updates, bias-corrected. ``step``
+    may be a traced float tensor (Keras's iteration count); the caller then keeps it >= 1."""
+    if isinstance(step, int) and step < 1:
         raise ValueError(f"step must be >= 1 (the moments exist after the first update), got {step}")
     m_hat = m * (1.0 / (1.0 - beta1 ** step))
     v_hat = v * (1.0 / (1.0 - beta2 ** step))

@@ -10,7 +10,9 @@ are this dict (the wrapped optimizer's own state sits beside it, in the framewor
      "codec": {"residuals": {key: tensor}} (error feedback; per rank),
      "stats": {"steps", "bytes_sent", "fp32_bytes"},
      "auto": the auto mode's state, or None,
-     "prediction": weight prediction's state (real and previous weights by name), or None}
+     "prediction": weight prediction's state (real and previous weights by name), or None,
+     "corrections": delay compensation's or eager mixing's per-step state (per rank), or None:
+                    {"kind", "flags": [bool per slot], "slots": [{tensor name: tensor}]}}
 
 Format 1 (before 2026-12) kept the auto and prediction parts in two more keys of PyTorch's state
 dict, ``"pipesgd_auto"`` and ``"pipesgd_prediction"``; :func:`read` takes both.
@@ -25,9 +27,11 @@ _FORMAT1_EXTRAS = {"auto": "pipesgd_auto", "prediction": "pipesgd_prediction"}
 
 
 def compose(engine_state: Dict[str, Any], auto: Optional[Dict[str, Any]] = None,
-            prediction: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The entry, from the engine's (or TensorFlow pipeline's) state and the optional parts."""
-    return {"format": FORMAT, **engine_state, "auto": auto, "prediction": prediction}
+            prediction: Optional[Dict[str, Any]] = None,
+            corrections: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The entry, from the engine's (or TensorFlow pipeline's) state and the optional parts.
+    ("corrections" is new in format 2's later versions; an entry without it reads as None.)"""
+    return {"format": FORMAT, **engine_state, "auto": auto, "prediction": prediction, "corrections": corrections}
 
 
 def read(outer: Mapping[str, Any]) -> Tuple[Optional[Dict[str, Any]], Dict[str, Any]]:

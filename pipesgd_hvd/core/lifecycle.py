@@ -8,7 +8,8 @@ subclass's ``build_pipeline``) and everything that replaces or saves it:
 * its name, agreed across ranks (:func:`~pipesgd_hvd.consistency.agree_pipeline_name`);
 * the auto mode (:mod:`pipesgd_hvd.auto_controller`), which rebuilds it with another width or
   codec at a step every rank agrees on;
-* weight prediction's state (``staleness_correction``);
+* the staleness correction's state (``staleness_correction``: weight prediction, or the per-step
+  state of :mod:`pipesgd_hvd.core.corrections`);
 * the one checkpoint entry (:mod:`pipesgd_hvd.core.checkpoint`);
 * Horovod elastic: dropping what the old world left in flight, rebuilding for the new world and
   continuing from rank 0's state (the rule of :mod:`pipesgd_hvd.elastic`).
@@ -29,9 +30,10 @@ from ..config import PipelineConfig, WireStats
 from ..consistency import agree_pipeline_name, provisional_name
 from ..engine import AppliedStep
 from ..fusion import TensorSpec
-from ..staleness import WeightPrediction
+from ..staleness import AdamPrediction, AdamState, WeightPrediction
 from ..tensor_ops import Tensor, TensorOps
 from . import checkpoint
+from .corrections import DelayCompensation, EagerMix, StaleCorrection
 from .options import PipelineOptions
 
 
@@ -83,6 +85,7 @@ class PipelineLifecycle:
         self.auto_controller = None if options.auto is None else \
             AutoController(options.auto, comm, ops, rebuild=weak_method(self._switch))
         self.prediction = self._new_prediction()
+        self.correction = self._new_correction()
         self.switched: List[Callable[[], None]] = []  # told after the auto mode rebuilt the pipeline
 
     # ------------------------------------------------------------------------ the pipeline
@@ -126,6 +129,7 @@ class PipelineLifecycle:
         self.pipeline.close()
         self.pipeline = self._new_pipeline()
         self.prediction = self._new_prediction()
+        self.correction = self._new_correction()
 
     def _switch(self, width: int, compression: Any) -> None:
         """The auto mode's rebuild: the pipeline was flushed; the next one continues its step
@@ -139,11 +143,37 @@ class PipelineLifecycle:
         for listener in self.switched:
             listener()
 
+    def adam_state(self, index: int) -> Optional[AdamState]:
+        """The wrapped Adam/AdamW's moments and settings for tensor ``index`` (None before its
+        first update), for ``staleness_correction="adam_prediction"``."""
+        raise NotImplementedError
+
+    def check_adam_support(self) -> None:
+        """Raises a ValueError naming the fix where the wrapped optimizer is not Adam/AdamW."""
+        raise ValueError("staleness_correction='adam_prediction' needs an adapter that reads Adam's moments, and this "
+                         "one does not: use 'weight_prediction', 'delay_compensation' or 'eager'")
+
     def _new_prediction(self) -> Optional[WeightPrediction]:
-        if self.options.staleness_correction is None:
+        kind = self.options.staleness_correction
+        if kind not in ("weight_prediction", "adam_prediction"):
             return None
         with self.weights_guard():
+            if kind == "adam_prediction":
+                self.check_adam_support()
+                return AdamPrediction(self.ops, self.weights(), weak_method(self.adam_state),
+                                      host_flag=self.eager_steps)
             return WeightPrediction(self.ops, self.weights(), host_flag=self.eager_steps)
+
+    def _new_correction(self) -> Optional[StaleCorrection]:
+        """Delay compensation or eager mixing; None without one, and at width 1 (every gradient
+        is fresh: nothing to correct)."""
+        kind = self.options.staleness_correction
+        if self.width == 1 or kind not in ("delay_compensation", "eager"):
+            return None
+        with self.weights_guard():
+            if kind == "delay_compensation":
+                return DelayCompensation(self.ops, self.weights(), self.width, self.options.dc_lambda, self.eager_steps)
+            return EagerMix(self.ops, self.weights(), self.width, self.comm.size, self.eager_steps)
 
     # ------------------------------------------------------------------------ checkpointing
     def compose_state(self) -> Dict[str, Any]:
@@ -151,7 +181,8 @@ class PipelineLifecycle:
         return checkpoint.compose(
             self.pipeline.state_dict(),
             auto=self.auto_controller.state_dict() if self.auto_controller is not None else None,
-            prediction=self.prediction.state_dict(self.names) if self.prediction is not None else None)
+            prediction=self.prediction.state_dict(self.names) if self.prediction is not None else None,
+            corrections=self.correction.state_dict(self.names) if self.correction is not None else None)
 
     def load_entry(self, entry: Dict[str, Any]) -> None:
         """Loads the pipeline's part of an entry (format 2). Rebuilding the pipeline for a saved
@@ -177,9 +208,16 @@ class PipelineLifecycle:
                     self.ops.assign(w, saved["current"][name])
         return self.prediction is not None and self.prediction.is_started()
 
+    def load_correction(self, saved: Optional[Dict[str, Any]]) -> None:
+        """After the model's weights were loaded: the correction's per-step state, or (saved
+        without it) a start that applies the in-flight averages uncorrected."""
+        if self.correction is not None:
+            with self.weights_guard():
+                self.correction.load_state_dict(saved, self.names, self.weights())
+
     # -------------------------------------------------------------------- Horovod elastic
     def check_elastic_support(self) -> None:
-        if self.auto_controller is not None or self.prediction is not None:
+        if self.auto_controller is not None or self.prediction is not None or self.correction is not None:
             raise ValueError("Horovod elastic (TorchState, KerasState) does not support width='auto', compression='auto' or "
                              "staleness_correction yet: pass a fixed width and compression, without "
                              "staleness_correction")

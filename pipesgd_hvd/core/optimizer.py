@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import warnings
 import weakref
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
@@ -75,6 +76,10 @@ class TrainingAdapter(Protocol):
         produced (called again after each step: tensors unfrozen since then start reporting)."""
     def unwatch_gradients(self) -> None:
         """Stop reporting (the optimizer is gone)."""
+    def check_adam_support(self) -> None:
+        """Raises a ValueError naming the fix unless the wrapped optimizer is Adam/AdamW."""
+    def adam_state(self, index: int) -> Any:
+        """Its :class:`~pipesgd_hvd.staleness.AdamState` for tensor ``index`` (None before an update)."""
 
 
 def _dropped(held: List[Any], adapter: TrainingAdapter) -> None:
@@ -199,11 +204,14 @@ class OptimizerCore(PipelineLifecycle):
         self.adapter.watch_gradients(self.gradient_ready)
         if not self._resume_checked:
             self._agree_on_resumed_state()
+        this_step = engine.step
         applied = engine.end_step(meta=self.adapter.loss_scale())
         if self.auto_controller is not None:  # at a check: flushed steps to apply; maybe a new engine
             applied = applied + self.auto_controller.after_step(engine, applied)
         self._note_training(applied)
         self._restore_real_weights()  # the gradients were computed at the prediction: update the real weights
+        if self.correction is not None:  # before _write: .grad still holds this step's local gradients
+            applied = self._corrected(this_step, applied)
         for early in applied[:-1]:  # only when the width shrinks: apply older steps right away
             self._write(early)
             self.adapter.apply_update()
@@ -270,6 +278,10 @@ class OptimizerCore(PipelineLifecycle):
             return
         fresh = [r for r, (step, in_flight, _) in enumerate(summaries) if step == 0 and not in_flight]
         loaded = [r for r in range(len(summaries)) if r not in fresh]
+        if self.correction is not None and fresh:
+            raise ValueError(f"staleness_correction={self.correction.name!r} keeps per-rank state of the steps in "
+                             "flight, which ranks that did not load the checkpoint lack: load the same checkpoint "
+                             "on every rank")
         if not fresh or any(summaries[r] != summaries[loaded[0]] for r in loaded):
             states = ", ".join(f"rank {r}: step {s}, in flight {f}" for r, (s, f, _) in enumerate(summaries))
             raise ValueError(f"ranks resumed from different checkpoints ({states}): load the same checkpoint on "
@@ -311,6 +323,10 @@ class OptimizerCore(PipelineLifecycle):
             applied_count += 1
         scaled = self.adapter.loss_scale() is not None
         for applied in in_flight:
+            if self.correction is not None:
+                with self.adapter.weights_guard():
+                    applied = self._with_grads(applied, self.correction.settle(
+                        self._grad_list(applied), self.adapter.weights(), applied.step))
             self._write(applied, unscale=scaled)
             if not scaled or self.adapter.gradients_finite():
                 self.adapter.apply_update()
@@ -350,6 +366,39 @@ class OptimizerCore(PipelineLifecycle):
         for applied in steps:
             if applied.training and any(applied.training):
                 self._last_training = applied.training
+
+    # ------------------------------------------------- staleness corrections (core/corrections.py)
+    def _corrected(self, step: int, applied: List[AppliedStep]) -> List[AppliedStep]:
+        """The averages that step ``step`` applies, corrected (a synchronous step's own fresh
+        gradient is not), and step ``step``'s state kept when its gradient is in flight."""
+        correction, adapter = self.correction, self.adapter
+        local = None
+        if correction.needs_local:
+            trainable = set(adapter.trainable())
+            local = [adapter.local_gradient(i) if i in trainable and adapter.has_local_gradient(i) else None
+                     for i in range(len(self.names))]
+        pipelined = all(a.step != step for a in applied)
+        out = []
+        with adapter.weights_guard():
+            weights = adapter.weights()
+            for a in applied:
+                out.append(a if a.step == step else
+                           self._with_grads(a, correction.correct(self._grad_list(a), weights, a.step, True, local)))
+            correction.remember(step, weights, local, pipelined, applies=pipelined and bool(applied))
+        return out
+
+    def _grad_list(self, applied: AppliedStep) -> List[Optional[Tensor]]:
+        return [applied.grads.get(i) for i in range(len(self.names))]
+
+    @staticmethod
+    def _with_grads(applied: AppliedStep, grads: List[Optional[Tensor]]) -> AppliedStep:
+        return dataclasses.replace(applied, grads={i: g for i, g in enumerate(grads) if g is not None})
+
+    def adam_state(self, index: int) -> Any:
+        return self.adapter.adam_state(index)
+
+    def check_adam_support(self) -> None:
+        self.adapter.check_adam_support()
 
     # ------------------------------------------------------- staleness correction (prediction)
     def _restore_real_weights(self) -> None:
@@ -393,6 +442,7 @@ class OptimizerCore(PipelineLifecycle):
             self._stepped = self.engine.step > 0
             self._resume_checked = False
         self._weights_predicted = self.load_prediction(None if entry is None else entry.get("prediction"))
+        self.load_correction(None if entry is None else entry.get("corrections"))
 
     # -------------------------------------------------------------------- Horovod elastic
     # Called through the framework's elastic state handler; the rule is pipesgd_hvd/elastic.py's.

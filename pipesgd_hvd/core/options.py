@@ -17,9 +17,14 @@ from ..comm.base import ReduceOp
 from ..compression import Compression, resolve_compression
 from ..config import PipelineConfig
 from ..fusion import DEFAULT_FUSION_THRESHOLD
+from ..staleness_corrections import DEFAULT_DC_LAMBDA, check_dc_lambda
 
-#: ``staleness_correction`` values and what they select (see :mod:`pipesgd_hvd.staleness`).
-STALENESS_CORRECTIONS = ("weight_prediction",)
+#: ``staleness_correction`` values: weight prediction (:mod:`pipesgd_hvd.staleness`, extrapolating
+#: the last update, or Adam's own next step), and the gradient-side corrections of
+#: :mod:`pipesgd_hvd.core.corrections`.
+STALENESS_CORRECTIONS = ("weight_prediction", "adam_prediction", "delay_compensation", "eager")
+#: The corrections that keep per-step state in the pipeline (not weight prediction).
+GRADIENT_CORRECTIONS = ("delay_compensation", "eager")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class PipelineOptions:
     seed: int = 0
     check_replicas_every: int = 0
     staleness_correction: Optional[str] = None
+    dc_lambda: float = DEFAULT_DC_LAMBDA
     backward_passes_per_step: int = 1
     sparse_as_dense: bool = False
     auto: Optional[AutoSettings] = None
@@ -45,7 +51,8 @@ class PipelineOptions:
     def from_arguments(cls, *, width: Any = 2, compression: Any = Compression.none, warmup_steps: Any = 0,
                        fusion_threshold_mb: Any = DEFAULT_FUSION_THRESHOLD / 2**20, op: Any = None,
                        gradient_predivide_factor: Any = 1.0, seed: Any = 0, check_replicas_every: Any = None,
-                       staleness_correction: Any = False, backward_passes_per_step: Any = 1,
+                       staleness_correction: Any = False, dc_lambda: Any = DEFAULT_DC_LAMBDA,
+                       backward_passes_per_step: Any = 1,
                        sparse_as_dense: Any = False, auto_measure_steps: Any = 10, auto_recheck_every: Any = 500,
                        communicator: Any = None, process_set: Any = None, hvd: Any = None) -> "PipelineOptions":
         """``hvd``: the Horovod module of the framework, if installed (resolves ``hvd.Average``,
@@ -59,8 +66,10 @@ class PipelineOptions:
                       gradient_predivide_factor=gradient_predivide_factor, seed=seed,
                       check_replicas_every=check_replicas_every or 0,
                       staleness_correction=check_staleness_correction(staleness_correction),
+                      dc_lambda=check_dc_lambda(dc_lambda),
                       backward_passes_per_step=check_backward_passes(backward_passes_per_step),
                       sparse_as_dense=sparse_as_dense, auto=auto, communicator=communicator)
+        check_correction_fits(options)
         options.config("psgd")                   # bad pipeline settings fail here
         resolve_compression(options.initial()[1])  # so does an unknown codec
         return options
@@ -124,8 +133,27 @@ def check_global_process_set(process_set: Any, hvd: Optional[Any]) -> None:
                          "own DistributedOptimizer for a process set)")
 
 
+def check_correction_fits(options: PipelineOptions) -> None:
+    """The gradient-side corrections keep state per in-flight step, which the auto mode's
+    rebuilds would drop mid-run; eager swaps this rank's share of an average, so needs one."""
+    correction = options.staleness_correction
+    if correction not in GRADIENT_CORRECTIONS:
+        return
+    if options.auto is not None:
+        raise ValueError(f"staleness_correction={correction!r} does not support width='auto' or compression='auto' "
+                         "yet: pass a fixed width and compression")
+    if correction == "eager" and options.op != ReduceOp.AVERAGE:
+        raise ValueError("staleness_correction='eager' swaps this rank's 1/size share of an average, so it needs "
+                         "op=hvd.Average (the default): drop op=hvd.Sum, or use 'delay_compensation'")
+    if correction == "eager" and options.check_replicas_every:
+        raise ValueError("staleness_correction='eager' makes replicas differ between steps by design (each rank "
+                         "applies its own fresh gradient), so check_replicas_every cannot be used with it: set "
+                         "check_replicas_every=0, or use 'delay_compensation'")
+
+
 def check_staleness_correction(value: Any) -> Optional[str]:
-    """``staleness_correction``: False/None (default), True (weight prediction) or a name."""
+    """``staleness_correction``: False/None (default), True (weight prediction) or a name of
+    :data:`STALENESS_CORRECTIONS`."""
     if value is False or value is None:
         return None
     if value is True:

@@ -20,6 +20,7 @@ from ..compression import Compression
 from ..config import WireStats
 from ..core.options import PipelineOptions
 from ..fusion import DEFAULT_FUSION_THRESHOLD
+from ..staleness_corrections import DEFAULT_DC_LAMBDA
 from .keras_xla import calling_model, check_not_xla_compiled
 from .tf_core import KerasCore, variable_name
 from .tf_pipeline import GraphPipeline
@@ -47,7 +48,7 @@ class _PipelinedOptimizer:
             from ..comm.horovod_tensorflow import HorovodTensorFlowCommunicator
 
             comm = HorovodTensorFlowCommunicator()
-        core = KerasCore(self._pipesgd_options, list(variables), comm)
+        core = KerasCore(self._pipesgd_options, list(variables), comm, optimizer=self)
         object.__setattr__(self, "_pipesgd_core", core)  # plain: Keras must not track it as state
         self._pipesgd = core.graph
         core.switched.append(lambda: setattr(self, "_pipesgd", core.graph))  # the auto mode's new one
@@ -166,7 +167,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          scale_local_gradients: bool = True, *, width: Any = 2, warmup_steps: int = 0,
                          fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20, seed: int = 0,
                          communicator: Any = None, staleness_correction: Any = False,
-                         check_replicas_every: Optional[int] = None, auto_measure_steps: int = 10,
+                         dc_lambda: float = DEFAULT_DC_LAMBDA, check_replicas_every: Optional[int] = None,
+                         auto_measure_steps: int = 10,
                          auto_recheck_every: Optional[int] = 500) -> Any:
     """Wraps a Keras 3 optimizer so that gradients are averaged across ranks, pipelined.
 
@@ -180,7 +182,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
 
     Ours, keyword-only, as for PyTorch (``docs/options.md``): ``width`` (2 = Pipe-SGD, 1 =
     synchronous, or ``"auto"``), ``warmup_steps``, ``fusion_threshold_mb``, ``seed``,
-    ``communicator``, ``staleness_correction``, ``check_replicas_every``, ``auto_measure_steps``,
+    ``communicator``, ``staleness_correction`` (and ``dc_lambda``), ``check_replicas_every``, ``auto_measure_steps``,
     ``auto_recheck_every``. With ``"auto"`` in ``model.fit``, keep one of pipesgd_hvd's Keras
     callbacks in the list (e.g. ``PipelineFlushCallback()``): they run its checks between steps.
 
@@ -199,7 +201,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
         width=width, compression=compression, warmup_steps=warmup_steps, fusion_threshold_mb=fusion_threshold_mb,
         op=op, gradient_predivide_factor=gradient_predivide_factor, seed=seed,
         check_replicas_every=check_replicas_every, staleness_correction=staleness_correction,
-        backward_passes_per_step=backward_passes_per_step, auto_measure_steps=auto_measure_steps,
+        dc_lambda=dc_lambda, backward_passes_per_step=backward_passes_per_step, auto_measure_steps=auto_measure_steps,
         auto_recheck_every=auto_recheck_every, communicator=communicator, process_set=process_set, hvd=_hvd)
     if options.backward_passes_per_step > 1:
         raise ValueError("backward_passes_per_step > 1 is not supported for Keras: set Keras's own "

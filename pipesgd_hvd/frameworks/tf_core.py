@@ -10,8 +10,10 @@ when it rebuilds the pipeline, the train function must be traced again.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from ..comm.base import Communicator
@@ -22,6 +24,7 @@ from ..core.lifecycle import PipelineLifecycle
 from ..core.options import PipelineOptions
 from ..engine import AppliedStep
 from ..fusion import TensorSpec
+from ..staleness import AdamState
 from .tf_guards import ReplicaCheck, StepProgress
 from .tf_ops import TensorFlowOps
 from .tf_pipeline import GraphPipeline
@@ -44,7 +47,11 @@ def variable_name(v: Any) -> str:
 class KerasCore(PipelineLifecycle):
     """The pipeline of one Keras optimizer, built when the optimizer is built."""
 
-    def __init__(self, options: PipelineOptions, variables: Sequence[Any], comm: Communicator) -> None:
+    def __init__(self, options: PipelineOptions, variables: Sequence[Any], comm: Communicator,
+                 optimizer: Optional[Any] = None) -> None:
+        """``optimizer``: the wrapped Keras optimizer (held weakly: it owns this core), whose
+        moments ``staleness_correction="adam_prediction"`` reads."""
+        self._optimizer = (lambda: None) if optimizer is None else weakref.ref(optimizer)
         self.variables = list(variables)
         self.specs = [TensorSpec(variable_name(v), tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
                       for v in self.variables]
@@ -64,12 +71,36 @@ class KerasCore(PipelineLifecycle):
         self.switched.append(self._track_prediction)
 
     def _track_prediction(self) -> None:
-        """Weight prediction's variables are checkpointed with the pipeline (tf.train.Checkpoint)."""
+        """Weight prediction's and the corrections' variables are checkpointed with the pipeline
+        (tf.train.Checkpoint)."""
         if self.prediction is not None:
             self.graph.prediction_state = self.prediction.state()
+        if self.correction is not None:
+            self.graph.correction_state = self.correction.state()
 
     def weights(self) -> List[Any]:
         return self.variables
+
+    # ------------------------------------------------- adam_prediction: Keras's Adam, translated
+    def check_adam_support(self) -> None:
+        optimizer = self._optimizer()
+        if not isinstance(optimizer, keras.optimizers.Adam):  # AdamW is one too
+            raise ValueError("staleness_correction='adam_prediction' predicts with Adam's own next step, but the "
+                             f"wrapped optimizer is {type(optimizer).__name__}: wrap keras.optimizers.Adam or AdamW, "
+                             "or use staleness_correction='weight_prediction'")
+
+    def adam_state(self, index: int) -> Optional[AdamState]:
+        """Keras 3's Adam (``update_step``): moments by variable index, ``iterations`` updates
+        done, eps added to sqrt(v), weight decay decoupled (``_apply_weight_decay``) for Adam and
+        AdamW alike, where ``_use_weight_decay`` says so."""
+        opt, variable = self._optimizer(), self.variables[index]
+        i = opt._get_variable_index(variable)
+        v = opt._velocity_hats[i] if opt.amsgrad else opt._velocities[i]
+        decay = float(opt.weight_decay or 0.0) if opt._use_weight_decay(variable) else 0.0
+        return AdamState(m=tf.convert_to_tensor(opt._momentums[i]), v=tf.convert_to_tensor(v),
+                         step=tf.cast(opt.iterations, tf.float32), lr=tf.cast(opt.learning_rate, tf.float32),
+                         beta1=float(opt.beta_1), beta2=float(opt.beta_2), eps=float(opt.epsilon),
+                         decoupled_weight_decay=decay, eps_on_raw_v=True)
 
     def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
                        check_ranks: bool) -> GraphPipeline:
@@ -92,9 +123,17 @@ class KerasCore(PipelineLifecycle):
         checked = None
         if self.replicas is not None:  # the weights every rank's forward pass just used
             checked = self.replicas(graph.step_counter.read_value(), variables)
+        # Read before exchange() counts the step (the same variable: ordered in the graph).
+        step, start = graph.step_counter.read_value(), graph.start.read_value()
         reduced, should_apply = graph.exchange(grads)
         if self.prediction is not None:  # the gradients were computed at predicted weights
             self.prediction.restore(variables)
+        if self.correction is not None:  # core/corrections.py, with the traced step
+            has_stale = graph.schedule.has_stale(step, start)
+            reduced = self.correction.correct(list(reduced), variables, step - (graph.config.width - 1), has_stale,
+                                              list(grads))
+            self.correction.remember(step, variables, list(grads), tf.logical_not(graph.schedule.in_warmup(step)),
+                                     applies=has_stale)
 
         def apply_now() -> tf.Tensor:
             apply(reduced, variables)
@@ -125,7 +164,10 @@ class KerasCore(PipelineLifecycle):
         if self.prediction is not None:
             self.prediction.reset(self.variables)  # the real weights, for evaluation or saving
         for step in pending:
-            apply([step.grads[i] for i in range(len(self.variables))], self.variables)
+            grads = [step.grads[i] for i in range(len(self.variables))]
+            if self.correction is not None:
+                grads = self.correction.settle(grads, self.variables, step.step)
+            apply(grads, self.variables)
         return len(pending)
 
     # -------------------------------------------------------------------------- auto mode
@@ -160,6 +202,7 @@ class KerasCore(PipelineLifecycle):
         with self.progress.eager_step():
             self.load_entry(entry)
         self.load_prediction(entry.get("prediction"))
+        self.load_correction(entry.get("corrections"))
 
     # -------------------------------------------------------------------- Horovod elastic
     # Called by frameworks/tf_elastic.py's KerasState; the rule is pipesgd_hvd/elastic.py's. Each

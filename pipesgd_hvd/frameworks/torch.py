@@ -20,10 +20,11 @@ from ..compression import Compression
 from ..config import WireStats
 from ..core import checkpoint
 from ..core.optimizer import OptimizerCore
-from ..core.options import PipelineOptions
+from ..core.options import GRADIENT_CORRECTIONS, PipelineOptions
 from ..elastic import is_elastic_job
 from ..engine import PipelineEngine
 from ..fusion import DEFAULT_FUSION_THRESHOLD
+from ..staleness_corrections import DEFAULT_DC_LAMBDA
 from . import torch_checks as checks
 from .torch_adapter import TorchAdapter
 
@@ -79,7 +80,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Horovod's arguments keep their meaning (``compression`` also takes ours:
     ``psgd.Compression.fp16``, ``.bf16``, ``.int8``, ``.int4``, ...). Ours, keyword-only:
     ``width`` (or ``"auto"``), ``warmup_steps``, ``fusion_threshold_mb``, ``communicator``,
-    ``grad_scaler``, ``seed``, ``check_replicas_every``, ``staleness_correction``,
+    ``grad_scaler``, ``seed``, ``check_replicas_every``, ``staleness_correction`` (and ``dc_lambda``),
     ``auto_measure_steps``, ``auto_recheck_every``: ``docs/options.md`` describes each, and
     ``docs/reliability.md`` every error.
     """
@@ -91,7 +92,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  warmup_steps: int = 0, fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20,
                  communicator: Any = None, grad_scaler: Any = None, seed: int = 0,
                  check_replicas_every: Optional[int] = None, staleness_correction: Any = False,
-                 auto_measure_steps: int = 10, auto_recheck_every: Optional[int] = 500) -> None:
+                 dc_lambda: float = DEFAULT_DC_LAMBDA, auto_measure_steps: int = 10,
+                 auto_recheck_every: Optional[int] = 500) -> None:
         # Every check runs before the first collective, so a bad argument (the same on every
         # rank, as the code is) raises on every rank and no rank is left waiting.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -102,10 +104,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             width=width, compression=compression, warmup_steps=warmup_steps, fusion_threshold_mb=fusion_threshold_mb,
             op=op, gradient_predivide_factor=gradient_predivide_factor, seed=seed,
             check_replicas_every=check_replicas_every, staleness_correction=staleness_correction,
-            backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
+            dc_lambda=dc_lambda, backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
             auto_measure_steps=auto_measure_steps, auto_recheck_every=auto_recheck_every,
             communicator=communicator, process_set=process_set, hvd=_hvd)
         checks.check_grad_scaler(grad_scaler)
+        if grad_scaler is not None and options.staleness_correction in GRADIENT_CORRECTIONS:
+            # Their terms mix gradients scaled by different loss scales (g * g, local shares).
+            raise ValueError(f"staleness_correction={options.staleness_correction!r} does not support grad_scaler "
+                             "yet: train without a GradScaler (bf16 autocast needs none), or use 'weight_prediction'")
         if communicator is not None and not isinstance(communicator, str):
             checks.check_communicator(communicator)
         named = checks.named_parameters(optimizer, named_parameters)

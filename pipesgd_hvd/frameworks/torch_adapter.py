@@ -8,6 +8,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 
 from ..fusion import TensorSpec
+from ..staleness import AdamState
 from . import torch_checks as checks
 from .torch_fingerprint import host_fingerprints
 from .torch_ops import TORCH_OPS, dtype_name
@@ -120,6 +121,29 @@ class TorchAdapter:
     # --------------------------------------------------------------------- the wrapped optimizer
     def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def check_adam_support(self) -> None:
+        """``staleness_correction="adam_prediction"`` reads Adam's moments: Adam/AdamW only."""
+        if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError("staleness_correction='adam_prediction' predicts with Adam's own next step, but the "
+                             f"wrapped optimizer is {type(self.optimizer).__name__}: wrap torch.optim.Adam or AdamW, or use "
+                             "staleness_correction='weight_prediction'")
+        if any(group.get("maximize") for group in self.optimizer.param_groups):
+            raise ValueError("staleness_correction='adam_prediction' does not support Adam(maximize=True): use "
+                             "staleness_correction='weight_prediction'")
+
+    def adam_state(self, index: int) -> Optional[AdamState]:
+        p = self.params[index]
+        state = self.optimizer.state.get(p)
+        if not state or "exp_avg" not in state:
+            return None  # no update yet
+        group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+        beta1, beta2 = group["betas"]
+        return AdamState(m=state["exp_avg"], v=state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"],
+                         step=int(state["step"]), lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                         eps=float(group["eps"]),
+                         decoupled_weight_decay=float(group["weight_decay"]) if decoupled else 0.0)
 
     def optimizer_state_dict(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()
