@@ -16,7 +16,7 @@ bit for bit with the CPU reference on a GPU.
 Kept deliberately simple: one program per (row, block) or per column tile, no autotuning.
 Imported only through ``compression/device_kernels.py``, only for CUDA tensors, only when
 ``triton`` is importable; anything else runs the reference ops. Checked on an H200
-(benchmarks/gpu_check.py, docs/gpu.md): bitwise equal to the CPU reference, 55-72% of each
+(benchmarks/gpu_check.py, docs/gpu.md): bitwise equal to the CPU reference, 51-75% of each
 codec's memory ceiling (docs/gpu_install.md).
 """
 from __future__ import annotations
