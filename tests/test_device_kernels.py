@@ -12,7 +12,7 @@ import torch
 
 from fake_cuda import FakeCuda
 from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.compression import Compression, Quantize, device_kernels, kernels, resolve_compression
+from pipesgd_hvd.compression import Compression, Quantize, Truncate, device_kernels, kernels, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.frameworks.torch_ops import TorchOps
 from threads import run_threads
@@ -43,9 +43,19 @@ class StubKernels:
         total = Quantize(bits, block=width)._decode_ops(REFERENCE, payload, cols).sum(0, keepdim=True)
         return total * scale if scale != 1.0 else total
 
+    def cast_encode(self, x, *, layout):
+        self.calls.append("cast_encode")
+        return resolve_compression(layout).encode(REFERENCE, x, key="k", seed=0)[0]
+
+    def cast_decode(self, payload, *, cols, bf16):
+        self.calls.append("cast_decode")
+        halves = payload.view(torch.int16).to(torch.int32)  # bf16 / truncation: the upper half
+        return (halves << 16).view(torch.float32) if bf16 else payload.view(torch.float16).float()
+
     def cast_decode_sum(self, payload, *, cols, bf16, scale):
         self.calls.append("cast_decode_sum")
-        total = payload.view(torch.bfloat16 if bf16 else torch.float16).float().sum(0, keepdim=True)
+        total = self.cast_decode(payload, cols=cols, bf16=bf16).sum(0, keepdim=True)
+        self.calls.pop()  # the decode above is this kernel's own
         return total * scale if scale != 1.0 else total
 
 
@@ -53,7 +63,7 @@ def _reduce(ops, name, size=2):
     inputs = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(size)]
 
     def rank_fn(rank, comm):
-        codec = resolve_compression(name)
+        codec = resolve_compression(Truncate(24) if name == "truncate24" else name)
         return [compressed_allreduce(ops, comm, codec, inputs[rank].clone(), name="t", key="k", seed=step)[0]
                 for step in range(2)]  # two steps: the second uses the error-feedback residual
 
@@ -63,9 +73,10 @@ def _reduce(ops, name, size=2):
 @pytest.mark.parametrize("name,expected", [
     ("int8", {"quantize_encode", "quantize_decode_sum", "quantize_decode"}),
     ("int4", {"quantize_encode", "quantize_decode_sum", "quantize_decode"}),
-    ("fp16", {"cast_decode_sum"}),
-    ("bf16", {"cast_decode_sum"}),
-    ("truncate16", set()),
+    ("fp16", {"cast_encode", "cast_decode_sum", "cast_decode"}),
+    ("bf16", {"cast_encode", "cast_decode_sum", "cast_decode"}),
+    ("truncate16", {"cast_encode", "cast_decode_sum", "cast_decode"}),
+    ("truncate24", set()),  # no device kernel for 3-byte values: the reference ops
 ])
 def test_device_tensors_reach_the_device_kernels_and_get_the_reference_result(monkeypatch, name, expected):
     stub = StubKernels()

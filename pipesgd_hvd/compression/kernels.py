@@ -51,6 +51,9 @@ class Kind(enum.IntEnum):
 # bytes per value of each cast/truncation layout; the alignment their payload rows need
 _CAST_BYTES = {Kind.FP16: 2, Kind.BF16: 2, Kind.TRUNC16: 2, Kind.TRUNC24: 3, Kind.FP16_SOFT: 2}
 _ALIGN = {"float32": 4, "uint8": 1}
+# The layouts the device kernels encode and decode (``triton_kernels.CAST_KINDS``). A truncated
+# float32's 16 bits decode as a bfloat16 does: both are the upper half of a float32.
+_DEVICE_CAST_LAYOUTS = {Kind.FP16: "fp16", Kind.BF16: "bf16", Kind.TRUNC16: "truncate16"}
 
 
 def available() -> bool:
@@ -144,6 +147,10 @@ def quantize_encode(ops: TensorOps, x: Tensor, *, width: int, bits: int, noise: 
 
 def cast_encode(ops: TensorOps, x: Tensor, kind: Kind) -> Optional[Tensor]:
     """float32 rows -> uint8 rows of float16 / bfloat16 / the upper 2 or 3 bytes of each value."""
+    device = _on_device(ops, x)
+    if device is not None:  # the 16-bit layouts have a device kernel; TRUNC24 runs the reference
+        layout = _DEVICE_CAST_LAYOUTS.get(kind)
+        return device.cast_encode(x, layout=layout) if layout and ops.dtype_name(x) == "float32" else None
     rows, cols = shape = ops.shape(x)
     addresses = _addresses(ops, [(x, "float32", shape)])
     if addresses is None:
@@ -167,8 +174,12 @@ def decode(ops: TensorOps, payload: Tensor, kind: Kind, *, cols: int, width: int
            bits: int = 0) -> Optional[Tensor]:
     """uint8 rows -> float32 rows ``[rows, cols]``."""
     device = _on_device(ops, payload)
-    if device is not None:  # casts decode in one pass already; quantizers have a kernel
-        return device.quantize_decode(payload, cols=cols, width=width, bits=bits) if kind == Kind.QUANTIZE else None
+    if device is not None:
+        if kind == Kind.QUANTIZE:
+            return device.quantize_decode(payload, cols=cols, width=width, bits=bits)
+        if kind in _DEVICE_CAST_LAYOUTS:
+            return device.cast_decode(payload, cols=cols, bf16=kind != Kind.FP16)
+        return None
     at = _payload_address(ops, payload, kind, cols, width, bits)
     if at is None:
         return None
@@ -186,8 +197,8 @@ def decode_sum(ops: TensorOps, payload: Tensor, kind: Kind, *, cols: int, scale:
     if device is not None:
         if kind == Kind.QUANTIZE:
             return device.quantize_decode_sum(payload, cols=cols, width=width, bits=bits, scale=scale)
-        if kind in (Kind.FP16, Kind.BF16):
-            return device.cast_decode_sum(payload, cols=cols, bf16=kind == Kind.BF16, scale=scale)
+        if kind in _DEVICE_CAST_LAYOUTS:
+            return device.cast_decode_sum(payload, cols=cols, bf16=kind != Kind.FP16, scale=scale)
         return None
     at = _payload_address(ops, payload, kind, cols, width, bits)
     if at is None or ops.shape(payload)[0] < 1:

@@ -5,7 +5,8 @@
   ``y - decode(encode(y))`` (non-finite set to 0), in one read of ``x`` and the residual.
 * ``decode`` / ``decode_sum``: payload rows -> float32 rows, or their sum in rank order from +0
   (then ``* scale``), in one read of the codes.
-* ``decode_sum`` of the 16-bit casts (fp16, bf16): one read instead of decode, then sum.
+* ``cast_encode`` / ``cast_decode`` / ``cast_decode_sum`` of the 16-bit layouts (fp16, bf16,
+  truncate16): one pass each; truncate16 decodes as bf16 does (both are a float32's upper half).
 
 The arithmetic is the reference's, operation for operation (``compression/codecs.py``): correctly
 rounded division (``div_rn``; Triton's ``/`` is approximate), round half to even (``rint``),
@@ -16,7 +17,7 @@ bit for bit with the CPU reference on a GPU.
 Kept deliberately simple: one program per (row, block) or per column tile, no autotuning.
 Imported only through ``compression/device_kernels.py``, only for CUDA tensors, only when
 ``triton`` is importable; anything else runs the reference ops. Checked on an H200
-(benchmarks/gpu_check.py, docs/gpu.md): bitwise equal to the CPU reference, 51-75% of each
+(benchmarks/gpu_check.py, docs/gpu.md): bitwise equal to the CPU reference, 55-93% of each
 codec's memory ceiling (docs/gpu_install.md).
 """
 from __future__ import annotations
@@ -153,18 +154,50 @@ def _quantize_decode_sum_kernel(payload_ptr, out_ptr, nrows, row_bytes, nblocks,
 
 
 @triton.jit
+def _cast_encode_kernel(x_ptr, out_ptr, n, KIND: tl.constexpr, TILE: tl.constexpr):
+    """float32 -> the 16 bits of the layout: float16 or bfloat16 (round to nearest even), or the
+    upper half of the float32 (truncation). bfloat16 rounds in integer arithmetic, as the CPU
+    reference does, rather than trusting a conversion instruction. A NaN becomes a quiet NaN
+    (sign kept for the two floats; truncation keeps none, as the reference), never an inf."""
+    j = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    mask = j < n
+    x = tl.load(x_ptr + j, mask=mask, other=0.0)
+    bits = x.to(tl.int32, bitcast=True)
+    upper = bits >> 16  # arithmetic shift: the low 16 bits of `upper` are the float's upper half
+    sign = upper & 0x8000
+    if KIND == 0:
+        half = tl.where(x != x, sign | 0x7E00, x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32))
+    elif KIND == 1:
+        half = tl.where(x != x, sign | 0x7FC0, (bits + (0x7FFF + (upper & 1))) >> 16)
+    else:
+        half = tl.where(x != x, 0x7FC0, upper)
+    tl.store(out_ptr + j, half.to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _half_to_float(raw, BF16: tl.constexpr):
+    """16 payload bits -> float32: a float16 widened, or a bfloat16 / truncated float32 put back
+    as the upper half of a float32 (integer shift: exact by construction)."""
+    if BF16:
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return raw.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _cast_decode_kernel(halves_ptr, out_ptr, n, BF16: tl.constexpr, TILE: tl.constexpr):
+    j = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    mask = j < n
+    tl.store(out_ptr + j, _half_to_float(tl.load(halves_ptr + j, mask=mask, other=0), BF16), mask=mask)
+
+
+@triton.jit
 def _cast_decode_sum_kernel(halves_ptr, out_ptr, nrows, cols, factor, BF16: tl.constexpr,
                             TILE: tl.constexpr, SCALED: tl.constexpr):
     j = tl.program_id(0) * TILE + tl.arange(0, TILE)
     mask = j < cols
     total = tl.zeros((TILE,), dtype=tl.float32)
     for row in range(nrows):
-        raw = tl.load(halves_ptr + row * cols + j, mask=mask, other=0)
-        if BF16:
-            value = raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
-        else:
-            value = raw.to(tl.float16, bitcast=True).to(tl.float32)
-        total = total + value
+        total = total + _half_to_float(tl.load(halves_ptr + row * cols + j, mask=mask, other=0), BF16)
     if SCALED:
         total = total * factor
     tl.store(out_ptr + j, total, mask=mask)
@@ -222,4 +255,28 @@ def cast_decode_sum(payload: torch.Tensor, *, cols: int, bf16: bool, scale: floa
     _cast_decode_sum_kernel[(triton.cdiv(cols, _CAST_TILE),)](halves, out, halves.shape[0], cols, float(scale),
                                                               BF16=bf16, TILE=_CAST_TILE, SCALED=scale != 1.0,
                                                               enable_fp_fusion=False)
+    return out
+
+
+# Layout numbers of ``_cast_encode_kernel`` (``kernels.Kind``'s 16-bit layouts).
+CAST_KINDS = {"fp16": 0, "bf16": 1, "truncate16": 2}
+
+
+def cast_encode(x: torch.Tensor, *, layout: str) -> torch.Tensor:
+    """float32 rows -> uint8 rows of 16-bit values (``layout`` in ``CAST_KINDS``), one pass."""
+    rows, cols = x.shape
+    x = x.contiguous()
+    payload = torch.empty((rows, 2 * cols), dtype=torch.uint8, device=x.device)
+    n = rows * cols
+    _cast_encode_kernel[(triton.cdiv(n, _CAST_TILE),)](x, payload.view(torch.int16), n, KIND=CAST_KINDS[layout],
+                                                       TILE=_CAST_TILE)
+    return payload
+
+
+def cast_decode(payload: torch.Tensor, *, cols: int, bf16: bool) -> torch.Tensor:
+    """uint8 rows of 16-bit values -> float32 rows; ``bf16`` also reads truncated float32s."""
+    halves = payload.contiguous().view(torch.int16)
+    out = torch.empty(halves.shape, dtype=torch.float32, device=payload.device)
+    n = halves.numel()
+    _cast_decode_kernel[(triton.cdiv(n, _CAST_TILE),)](halves, out, n, BF16=bf16, TILE=_CAST_TILE)
     return out
