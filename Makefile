@@ -22,7 +22,8 @@ test: install
 bench: install
 	$(PY) -m benchmarks.throughput
 
-# The accuracy study (issue 8): writes docs/accuracy.md and docs/img/accuracy.png; about 15 min on 2 cores.
+# The accuracy study (issues 8, 18): writes docs/accuracy.md and docs/img/accuracy.png; 4 SGD tasks and a
+# language model (AdamW), every staleness correction; estimated 25-30 min on 2 cores (not yet timed in full).
 accuracy: install
 	$(PY) -m benchmarks.accuracy
 

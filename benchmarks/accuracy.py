@@ -1,15 +1,16 @@
-"""Accuracy study: synchronous vs width 2 vs width 2 + staleness correction, with and without int8+EF.
+"""Accuracy study: synchronous vs width 2 vs width 2 + each staleness correction, with and without int8+EF.
 
 Run ``.venv/bin/python -m benchmarks.accuracy`` (or ``make accuracy``) from the repository root.
 The parent launches itself (``--worker``) once per task under
 ``horovodrun -np 2 -H localhost:2 --mpi``; each launch trains every configuration and seed side by
 side (epoch by epoch, each its own model and optimizer on the same data order), times each run's
-training steps on its own, and evaluates on the test set at the real weights
+training steps on its own, and evaluates on every rank at the real weights
 (``opt.real_weights()``) after every epoch. Rank 0 prints one JSON line (marker below); the parent
-measures what the correction costs per step in-process, then writes ``docs/accuracy.md`` and
-``docs/img/accuracy.png``.
+measures what weight prediction costs per step in-process, then ``benchmarks.accuracy_doc`` writes
+``docs/accuracy.md`` and ``docs/img/accuracy.png``.
 
-Tasks:
+Tasks (each one ``Task``; its data and model behind one small interface, ``Classification`` here
+or ``benchmarks.accuracy_lm.LanguageModel``, so one training loop serves both):
 
 * ``digits``: sklearn's 8x8 handwritten digits (1,797 images, shipped with scikit-learn), an MLP.
 * ``shapes``: 16x16 images of 8 shape classes (bars, outlines, filled shapes, crosses) at random
@@ -17,6 +18,10 @@ Tasks:
   CNN. Generated rather than digits upsampled: upsampled digits carry no more information than
   task 1 and a CNN would only re-learn it, while shapes at random positions need translation-
   invariant features (what convolutions are for), and size and noise set the difficulty.
+* ``pydoc-lm``: byte-level language modelling of Python's documentation text with a tiny causal
+  transformer and AdamW (``benchmarks/accuracy_lm.py``); validation loss and perplexity.
+
+Trials: ``--tasks``, ``--configs``, ``--seeds 1``, ``--lr``, ``--epochs``, ``--no-doc``.
 """
 from __future__ import annotations
 
@@ -39,7 +44,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "accuracy.md"
 PLOT = ROOT / "docs" / "img" / "accuracy.png"
 MARKER = "ACCURACY_JSON "
-TARGET_POINTS = 0.5  # issue 8: width 2 + correction + int8+EF within 0.5 point of synchronous
 
 
 @dataclass(frozen=True)
@@ -47,38 +51,53 @@ class Config:
     key: str
     label: str
     width: int
-    correction: bool
+    correction: Optional[str]  # staleness_correction: None or one of pipesgd_hvd's names
     compression: str
     warmup_epochs: int = 0   # synchronous epochs first (warmup_steps), then width 2
     momentum_scale: float = 1.0  # times the task's momentum (a momentum correction for the delay)
 
 
+#: staleness_correction names, the short form in configuration keys, and the label.
+CORRECTIONS = (("weight_prediction", "wp", "weight prediction"), ("delay_compensation", "dc", "delay compensation"),
+               ("eager", "eager", "eager"), ("adam_prediction", "adam", "Adam prediction"))
 CONFIGS = (
-    Config("sync", "sync (width 1)", 1, False, "none"),
-    Config("sync-int8", "sync, int8+EF", 1, False, "int8"),
-    Config("w2", "width 2", 2, False, "none"),
-    Config("w2-int8", "width 2, int8+EF", 2, False, "int8"),
-    Config("w2-pred", "width 2 + correction", 2, True, "none"),
-    Config("w2-pred-int8", "width 2 + correction, int8+EF", 2, True, "int8"),
-    Config("w2-pred-int8-warm", "width 2 + correction, int8+EF, first epoch synchronous", 2, True, "int8", 1),
-    Config("w2-pred-int8-m08", "width 2 + correction, int8+EF, momentum x 0.8", 2, True, "int8", 0, 0.8),
+    Config("sync", "sync (width 1)", 1, None, "none"),
+    Config("sync-int8", "sync, int8+EF", 1, None, "int8"),
+    Config("w2", "width 2", 2, None, "none"),
+    Config("w2-int8", "width 2, int8+EF", 2, None, "int8"),
+    *(Config(f"w2-{short}{suffix}", f"width 2 + {label}{', int8+EF' if codec == 'int8' else ''}", 2, name, codec)
+      for name, short, label in CORRECTIONS for suffix, codec in (("", "none"), ("-int8", "int8"))),
+    # measured in the run of 2026-12-03 (docs/accuracy.md's history), not in the default run
+    Config("w2-wp-int8-warm", "width 2 + weight prediction, int8+EF, first epoch synchronous", 2,
+           "weight_prediction", "int8", 1),
+    Config("w2-wp-int8-m08", "width 2 + weight prediction, int8+EF, momentum x 0.8", 2, "weight_prediction",
+           "int8", 0, 0.8),
 )
 BY_KEY = {c.key: c for c in CONFIGS}
+#: SGD tasks: each correction that applies to SGD (adam_prediction refuses any other optimizer),
+#: with int8+EF. The language model: every correction with and without it.
+SGD_CONFIGS = ("sync", "sync-int8", "w2", "w2-int8", "w2-wp-int8", "w2-dc-int8", "w2-eager-int8")
+ADAMW_CONFIGS = ("sync", "sync-int8", "w2", "w2-int8", "w2-wp", "w2-wp-int8", "w2-dc", "w2-dc-int8", "w2-eager",
+                 "w2-eager-int8", "w2-adam", "w2-adam-int8")
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
-    data: str         # "digits" or "shapes": the data set and its model
+    data: str         # "digits", "shapes" (classification) or "pydoc" (language model): data and model
     title: str
     epochs: int
     batch: int        # per rank
-    lr: float         # per rank, scaled by the number of ranks (Horovod's convention)
-    momentum: float
+    lr: float         # SGD: per rank, scaled by the number of ranks (Horovod's convention); AdamW: as is
+    momentum: float = 0.0      # SGD
+    optimizer: str = "sgd"     # "sgd" (with momentum) or "adamw"
+    weight_decay: float = 0.0  # AdamW
+    steps: int = 0    # steps per epoch (language model); 0: one pass over the rank's shard
+    configs: Tuple[str, ...] = SGD_CONFIGS
 
 
-# Learning rates where staleness costs accuracy (trials with --lr); each task at two, to show the
-# gap growing with the step size.
+# Learning rates where staleness costs accuracy (trials with --lr); each SGD task at two, to show
+# the gap growing with the step size.
 TASKS = {
     "digits": Task("digits", "digits", "sklearn digits, MLP 64-128-10", epochs=30, batch=32, lr=0.05, momentum=0.9),
     "digits-lr0.075": Task("digits-lr0.075", "digits", "sklearn digits, MLP 64-128-10, higher learning rate",
@@ -87,6 +106,9 @@ TASKS = {
                           epochs=24, batch=32, lr=0.01, momentum=0.9),
     "shapes": Task("shapes", "shapes", "generated 16x16 shapes (8 classes), CNN", epochs=24, batch=32, lr=0.02,
                    momentum=0.9),
+    "pydoc-lm": Task("pydoc-lm", "pydoc", "Python's documentation text, byte-level causal transformer (AdamW)",
+                     epochs=12, batch=16, lr=1e-2, optimizer="adamw", weight_decay=0.01, steps=50,
+                     configs=ADAMW_CONFIGS),
 }
 SHAPE_CLASSES = ("horizontal bar", "vertical bar", "square outline", "filled square", "ring", "filled disk",
                  "plus", "diagonal cross")
@@ -150,6 +172,48 @@ def load(task: str):
     return x_train, x_test, y_train, y_test
 
 
+class Classification:
+    """A classification task on one rank (the interface ``benchmarks.accuracy_lm.LanguageModel``
+    shares): ``steps`` per epoch, ``model(seed)``, ``batches(seed, epoch)`` (this rank's shard in
+    an order of its own per seed, epoch and rank) and ``evaluate(model)`` (test accuracy, a
+    fraction: higher is better)."""
+
+    metric = "accuracy"
+
+    def __init__(self, task: Task, rank: int, size: int) -> None:
+        import torch
+
+        x_train, x_test, y_train, y_test = (torch.from_numpy(np.asarray(a)) for a in load(task.data))
+        self.x_train, self.y_train = x_train[rank::size], y_train[rank::size].long()  # each rank its own shard
+        self.x_test, self.y_test = x_test, y_test.long()
+        self.data, self.rank, self.batch = task.data, rank, task.batch
+        self.steps = len(self.x_train) // task.batch
+        self.train_size, self.test_size = len(x_train), len(x_test)
+
+    def model(self, seed: int):
+        return make_model(self.data, seed)
+
+    def batches(self, seed: int, epoch: int):
+        import torch
+
+        order = torch.randperm(len(self.x_train), generator=torch.Generator().manual_seed(
+            10_000 * seed + 100 * epoch + self.rank))
+        for s in range(self.steps):
+            batch = order[s * self.batch:(s + 1) * self.batch]
+            yield self.x_train[batch], self.y_train[batch]
+
+    def evaluate(self, model) -> float:
+        return float((model(self.x_test).argmax(dim=1) == self.y_test).double().mean())
+
+
+def configs_for(task: Task, keys: Optional[Sequence[str]]) -> List[str]:
+    """The task's own configurations, or ``keys`` less those that do not apply to its optimizer
+    (``adam_prediction`` needs Adam/AdamW)."""
+    if keys is None:
+        return list(task.configs)
+    return [k for k in keys if task.optimizer == "adamw" or BY_KEY[k].correction != "adam_prediction"]
+
+
 # ------------------------------------------------------------------------------------ rank side
 
 def _worker(args: argparse.Namespace) -> None:
@@ -165,40 +229,44 @@ def _worker(args: argparse.Namespace) -> None:
     lr = args.lr if args.lr is not None else task.lr
     momentum = args.momentum if args.momentum is not None else task.momentum
     epochs = args.epochs or task.epochs
-    x_train, x_test, y_train, y_test = (torch.from_numpy(np.asarray(a)) for a in load(task.data))
-    y_train, y_test = y_train.long(), y_test.long()
-    x_train, y_train = x_train[rank::size], y_train[rank::size]  # each rank its own shard
-    steps = len(x_train) // task.batch
+    if task.data == "pydoc":
+        from benchmarks.accuracy_lm import LanguageModel
+
+        problem: Any = LanguageModel(rank, task.steps, task.batch)
+    else:
+        problem = Classification(task, rank, size)
 
     runs: List[Dict[str, Any]] = []
     for seed in range(args.seeds):
-        for key in args.configs:
+        for key in configs_for(task, args.configs):
             cfg = BY_KEY[key]
-            model = make_model(task.data, seed)
+            model = problem.model(seed)
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-            inner = torch.optim.SGD(model.parameters(), lr=lr * size, momentum=momentum * cfg.momentum_scale)
+            if task.optimizer == "sgd":
+                inner = torch.optim.SGD(model.parameters(), lr=lr * size, momentum=momentum * cfg.momentum_scale)
+            else:
+                inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=task.weight_decay)
             # Names unique per run: the runs share one process, and Horovod refuses two in-flight
             # collectives of one name (pipesgd names them after the parameters).
             named = [(f"{key}.{seed}.{n}", p) for n, p in model.named_parameters()]
             opt = psgd.DistributedOptimizer(inner, named_parameters=named, width=cfg.width,
-                                            compression=cfg.compression, staleness_correction=cfg.correction,
-                                            warmup_steps=cfg.warmup_epochs * steps)
+                                            compression=cfg.compression,
+                                            staleness_correction=cfg.correction or False,
+                                            warmup_steps=cfg.warmup_epochs * problem.steps)
             runs.append({"config": key, "seed": seed, "model": model, "opt": opt, "seconds": 0.0,
-                         "accuracy": [], "time": [], "loss": []})
+                         "value": [], "spread": [], "time": [], "loss": []})
 
     for epoch in range(epochs):
         for run in runs:
-            # the same data order for every configuration of a seed, a different one per seed and rank
-            order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(
-                10_000 * run["seed"] + 100 * epoch + rank))
+            # the same data for every configuration of a seed, different per seed and rank
             model, opt = run["model"], run["opt"]
             model.train()
             total = 0.0
             start = time.perf_counter()
-            for s in range(steps):
-                batch = order[s * task.batch:(s + 1) * task.batch]
+            for inputs, targets in problem.batches(run["seed"], epoch):
                 opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(x_train[batch]), y_train[batch])
+                logits = model(inputs)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
                 loss.backward()
                 opt.step()
                 total += float(loss.detach())
@@ -207,10 +275,15 @@ def _worker(args: argparse.Namespace) -> None:
             run["seconds"] += time.perf_counter() - start
             model.eval()
             with opt.real_weights(), torch.no_grad():
-                correct = (model(x_test).argmax(dim=1) == y_test).double().mean()
-            run["accuracy"].append(float(correct))  # replicas are identical: the same on every rank
+                value = problem.evaluate(model)
+            # Every rank evaluates its own replica: with "eager" they differ between steps (each
+            # rank mixes in its own fresh gradient), and with Adam still after flush() (their
+            # moments differ); the others' are identical. Reported: the mean over ranks.
+            values = hvd.allgather_object(value, name=f"accuracy.eval.{run['config']}.{run['seed']}")
+            run["value"].append(statistics.mean(values))
+            run["spread"].append(max(values) - min(values))
             run["time"].append(run["seconds"])
-            run["loss"].append(total / steps)
+            run["loss"].append(total / problem.steps)
             if not math.isfinite(run["loss"][-1]) and rank == 0:
                 print(f"diverged: {run['config']} seed {run['seed']} epoch {epoch}", file=sys.stderr, flush=True)
         if rank == 0:
@@ -221,12 +294,14 @@ def _worker(args: argparse.Namespace) -> None:
     out = []
     for i, run in enumerate(runs):
         slowest = [max(t[i][e] for t in times) for e in range(epochs)]
-        out.append({"config": run["config"], "seed": run["seed"], "accuracy": run["accuracy"], "time": slowest,
-                    "loss": run["loss"], "wire_ratio": run["opt"].stats.ratio})
+        out.append({"config": run["config"], "seed": run["seed"], "value": run["value"], "spread": run["spread"],
+                    "time": slowest, "loss": run["loss"], "wire_ratio": run["opt"].stats.ratio})
     if rank == 0:
-        print(MARKER + json.dumps({"task": task.name, "lr": lr, "momentum": momentum, "epochs": epochs,
-                                   "batch": task.batch, "ranks": size, "steps_per_epoch": steps,
-                                   "train_size": len(x_train) * size, "test_size": len(x_test), "runs": out}),
+        print(MARKER + json.dumps({"task": task.name, "metric": problem.metric, "optimizer": task.optimizer,
+                                   "lr": lr, "momentum": momentum, "weight_decay": task.weight_decay,
+                                   "epochs": epochs, "batch": task.batch, "ranks": size,
+                                   "steps_per_epoch": problem.steps, "train_size": problem.train_size,
+                                   "test_size": problem.test_size, "runs": out}),
               flush=True)
 
 
@@ -237,7 +312,7 @@ def _launch(task: str, args: argparse.Namespace) -> Dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     cmd = [str(bindir / "horovodrun"), "-np", "2", "-H", "localhost:2", "--mpi",
            str(bindir / "python"), "-m", "benchmarks.accuracy", "--worker", "--task", task,
-           "--seeds", str(args.seeds), "--configs", *args.configs]
+           "--seeds", str(args.seeds)] + (["--configs", *args.configs] if args.configs else [])
     for flag, value in (("--epochs", args.epochs), ("--lr", args.lr), ("--momentum", args.momentum)):
         if value is not None:
             cmd += [flag, str(value)]
@@ -291,8 +366,8 @@ def correction_cost(task: str, steps: int = 300, rounds: int = 5) -> Dict[str, f
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(steps):
-            opt._restore_real_weights()
-            opt._predict_weights()
+            opt._core._restore_real_weights()  # the core's pair, timed alone
+            opt._core._predict_weights()
         pair.append((time.perf_counter() - start) / steps)
     for correction in (False, True):
         setups[correction][1].flush()
@@ -301,182 +376,38 @@ def correction_cost(task: str, steps: int = 300, rounds: int = 5) -> Dict[str, f
             "pair_ms": 1e3 * statistics.median(pair), "params": params, "extra_bytes": 2 * 4 * params}
 
 
-def _final(result: Dict[str, Any], key: str) -> List[float]:
-    return [100 * r["accuracy"][-1] for r in result["runs"] if r["config"] == key]
-
-
-def _mean_std(xs: Sequence[float]) -> Tuple[float, float]:
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
-def _curves(result: Dict[str, Any], key: str, field: str) -> np.ndarray:
-    return np.array([r[field] for r in result["runs"] if r["config"] == key])
-
-
-def _plot(results: Sequence[Dict[str, Any]], configs: Sequence[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
-    styles = {"sync": ("k", "-"), "sync-int8": ("k", "--"), "w2": ("tab:red", "-"), "w2-int8": ("tab:red", "--"),
-              "w2-pred": ("tab:blue", "-"), "w2-pred-int8": ("tab:blue", "--"),
-              "w2-pred-int8-warm": ("tab:green", ":"), "w2-pred-int8-m08": ("tab:purple", "-.")}
-    for row, result in zip(axes, results):
-        for key in configs:
-            acc = 100 * _curves(result, key, "accuracy")
-            secs = _curves(result, key, "time")
-            mean, std = acc.mean(axis=0), acc.std(axis=0)
-            color, ls = styles[key]
-            epochs = np.arange(1, acc.shape[1] + 1)
-            row[0].plot(epochs, mean, color=color, ls=ls, label=BY_KEY[key].label)
-            row[0].fill_between(epochs, mean - std, mean + std, color=color, alpha=0.12)
-            row[1].plot(secs.mean(axis=0), mean, color=color, ls=ls, label=BY_KEY[key].label)
-        title = f"{result['task']} (lr {result['lr'] * result['ranks']:g}, momentum {result['momentum']})"
-        row[0].set(title=f"{title}: vs epoch", xlabel="epoch", ylabel="test accuracy, % (mean of seeds)")
-        row[1].set(title=f"{title}: vs wall time", xlabel="training seconds (slowest rank)",
-                   ylabel="test accuracy, % (mean of seeds)")
-        lo = min(100 * _curves(result, k, "accuracy")[:, -1].min() for k in configs)
-        for ax in row:
-            ax.set_ylim(max(0.0, lo - 10), 100.5)
-            ax.grid(alpha=0.3)
-        row[0].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--task", choices=sorted(TASKS), help=argparse.SUPPRESS)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=sorted(TASKS))
-    parser.add_argument("--configs", nargs="+", default=[c.key for c in CONFIGS], choices=list(BY_KEY))
+    parser.add_argument("--configs", nargs="+", choices=list(BY_KEY),
+                        help="instead of each task's own (those that do not apply to its optimizer are skipped)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, help="override each task's epochs (trials)")
     parser.add_argument("--lr", type=float, help="override each task's learning rate (trials)")
     parser.add_argument("--momentum", type=float, help="override each task's momentum (trials)")
-    parser.add_argument("--no-doc", action="store_true", help="print the table, leave docs/ alone (trials)")
+    parser.add_argument("--no-doc", action="store_true", help="print the tables, leave docs/ alone (trials)")
+    parser.add_argument("--save", type=Path, help="also write the results (JSON) here")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)
         return
-    from benchmarks.report import machine_line, table
+    from benchmarks import accuracy_doc
+    from benchmarks.report import machine_line
 
     start = time.perf_counter()
     results = [_launch(task, args) for task in args.tasks]
     cost = correction_cost("digits")
     elapsed = time.perf_counter() - start
-    sections, verdicts = [], []
-    for result in results:
-        task = TASKS[result["task"]]
-        image = 100 / result["test_size"]
-        sync_mean, _ = _mean_std(_final(result, "sync"))
-        rows = []
-        for key in args.configs:
-            accs = _final(result, key)
-            mean, std = _mean_std(accs)
-            secs = statistics.mean(r["time"][-1] for r in result["runs"] if r["config"] == key)
-            wire = statistics.mean(r["wire_ratio"] for r in result["runs"] if r["config"] == key)
-            rows.append([BY_KEY[key].label, f"{mean:.2f} ± {std:.2f}", f"{mean - sync_mean:+.2f}",
-                         " ".join(f"{a:.2f}" for a in accs), f"{secs:.1f}", f"{wire:.3f}"])
-        header = [f"{task.name}: configuration", "test accuracy % (mean ± std)", "vs sync (points)",
-                  "per seed", "training s", "wire bytes / float32"]
-        settings = (f"{result['train_size']} training / {result['test_size']} test images, {result['ranks']} ranks, "
-                    f"batch {result['batch']} per rank ({result['steps_per_epoch']} steps per epoch), "
-                    f"{result['epochs']} epochs, SGD lr {result['lr']} x {result['ranks']} ranks = "
-                    f"{result['lr'] * result['ranks']:g}, momentum {result['momentum']}; one test image is "
-                    f"{image:.2f} points")
-        sections.append(f"### `{task.name}`: {task.title}\n\n{settings}.\n\n{table(header, rows)}")
-        if "w2-pred-int8" in args.configs and "sync" in args.configs:
-            gap = _mean_std(_final(result, "w2-pred-int8"))[0] - sync_mean
-            plain_gap = _mean_std(_final(result, "w2"))[0] - sync_mean if "w2" in args.configs else float("nan")
-            verdicts.append((task.name, gap, plain_gap))
+    if args.save:
+        args.save.write_text(json.dumps({"results": results, "cost": cost, "elapsed": elapsed}))
     if args.no_doc:
-        print("\n\n".join(sections))
-        print(verdicts, cost)
+        print(accuracy_doc.sections(results, BY_KEY, TASKS))
+        print(accuracy_doc.verdict_lines(results, BY_KEY), cost, sep="\n")
         return
-    _plot(results, args.configs, PLOT)
-    DOC.write_text(_document(results, sections, verdicts, cost, elapsed, machine_line()))
+    accuracy_doc.write(results, cost, elapsed, machine_line(), BY_KEY, TASKS)
     print(f"wrote {DOC.relative_to(ROOT)} and {PLOT.relative_to(ROOT)} ({elapsed:.0f} s)", file=sys.stderr)
-
-
-def _target_text(verdicts) -> str:
-    missed = [name for name, gap, _ in verdicts if gap < -TARGET_POINTS]
-    if not missed:
-        return ("Met on every task of this run. The seeds' spread (the std column) is of the same order as "
-                "the target, so a difference of a few tenths is within noise.")
-    return (f"Missed on {', '.join(missed)}, by the gap above. Tried: weight prediction (with and without "
-            "int8+EF) at two learning rates per task; training the CNN longer (24 epochs here; with 12, in the run "
-            "committed in b9bbcc9 (this file's git history), the gaps at both rates were larger); and, on top of "
-            "the correction with int8+EF, a synchronous first epoch (`warmup_steps`) and a momentum correction "
-            "for the delay (momentum x 0.8: the stale gradient already carries momentum of its own): the rows "
-            "\"first epoch synchronous\" and \"momentum x 0.8\" above. The warm-up did not help where the gap is "
-            "(on `shapes`; switching to "
-            "width 2 mid-training at full step size jolts the iteration); the lower momentum narrows the gap at "
-            "the higher learning rate but costs accuracy at the lower one, where staleness costs little: it "
-            "trades one for the other, as a smaller step size does, rather than correcting the delay.")
-
-
-def _document(results, sections, verdicts, cost, elapsed, machine) -> str:
-    met = [f"**{name}**: {gap:+.2f} points ({'within' if gap >= -TARGET_POINTS else 'not within'} "
-           f"{TARGET_POINTS} point; plain width 2: {plain:+.2f})" for name, gap, plain in verdicts]
-    overhead = cost["step_corrected_ms"] / cost["step_ms"] - 1
-    return f"""# Accuracy: staleness, its correction, and int8 with error feedback
-
-Written by `benchmarks/accuracy.py` (`make accuracy`) from one run; no figure here is typed by hand.
-{machine}; {elapsed:.0f} s in all. Each task is one launch of `horovodrun -np 2 -H localhost:2 --mpi`
-that trains all configurations and seeds side by side, epoch by epoch (one torch thread per rank):
-each run has its own model and optimizer, runs of one seed start from the same weights and see
-the same batches in the same order. Test accuracy is measured after every epoch at the real
-weights (`with opt.real_weights():`), the last one after `flush()`. "Training s" counts only that
-run's training steps (slowest rank), so configurations interleaved in one launch are comparable;
-on this 2-core host with 2 local ranks communication is cheap, so width 2 buys little speed here
-(docs/benchmarks.md has the speed study); this page is about what staleness costs in accuracy.
-
-Configurations: synchronous (`width=1`, Horovod's rule), `width=2` (Pipe-SGD, staleness 1), and
-`width=2, staleness_correction=True` (weight prediction), each with `compression="none"` and
-`psgd.Compression.int8` (8-bit codes with error feedback); 3 seeds each (initial weights and data
-order). SGD with momentum 0.9; the learning rates were picked in short trials (one seed,
-`--lr`) where plain width 2 visibly loses accuracy against synchronous training, and each task
-runs at two rates to show how the gap grows with the step size. Staleness 1 with momentum is a
-step-size problem: the delayed feedback makes the iteration unstable at step sizes that
-synchronous SGD still tolerates, first costing accuracy, then diverging.
-
-![test accuracy vs epoch and vs wall time](img/accuracy.png)
-
-## Results (final test accuracy)
-
-{(chr(10) * 2).join(sections)}
-
-## Issue 8's target: width 2 + correction + int8+EF within {TARGET_POINTS} point of synchronous
-
-Gap of the mean of 3 seeds to synchronous (uncompressed):
-
-{chr(10).join(f"- {m}" for m in met)}
-
-{_target_text(verdicts)}
-
-## What the correction costs, and when to use it
-
-- **Memory:** two extra copies of the weights (the real weights w_t and the previous ones
-  w_{{t-1}}; the parameters hold the prediction): {cost['extra_bytes']:,} bytes for the digits MLP
-  ({cost['params']:,} float32 parameters); for a 25M-parameter ResNet-50, 200 MB. Checkpoints
-  carry both copies too.
-- **Time:** three element-wise passes over the weights per step (restore, keep, extrapolate).
-  Measured on the digits MLP, one in-process rank, one thread, batch 32, width 2 (median of 5
-  rounds of 300 steps, interleaved): {cost['step_ms']:.3f} ms per step without, {cost['step_corrected_ms']:.3f} ms with
-  the correction ({100 * overhead:+.0f}%); the restore + predict pair alone, {1e3 * cost['pair_ms']:.0f} µs. On a model
-  this small every per-step cost is relatively large; the pair is memory-bound (about 5 reads and
-  3 writes of the weights), so on a large model it stays a small fraction of the forward and
-  backward passes, which read the weights too and do far more arithmetic per weight.
-- **When:** with `width=2` when staleness costs accuracy, which shows as a gap to synchronous
-  training at the learning rate you want to use (a large batch, a large learning rate, momentum
-  near 0.9; SAPipe saw ResNet-50 on CIFAR-10 lose 3.9 points at staleness 1). Not with `width=1`
-  (no staleness to correct). Between steps the model holds the prediction: evaluate and save
-  inside `opt.real_weights()` or after `flush()`.
-"""
 
 
 if __name__ == "__main__":
