@@ -107,7 +107,7 @@ TASKS = {
     "shapes": Task("shapes", "shapes", "generated 16x16 shapes (8 classes), CNN", epochs=24, batch=32, lr=0.02,
                    momentum=0.9),
     "pydoc-lm": Task("pydoc-lm", "pydoc", "Python's documentation text, byte-level causal transformer (AdamW)",
-                     epochs=12, batch=16, lr=1e-2, optimizer="adamw", weight_decay=0.01, steps=50,
+                     epochs=8, batch=16, lr=1e-2, optimizer="adamw", weight_decay=0.01, steps=50,
                      configs=ADAMW_CONFIGS),
 }
 SHAPE_CLASSES = ("horizontal bar", "vertical bar", "square outline", "filled square", "ring", "filled disk",
