@@ -94,6 +94,25 @@ class Task:
     weight_decay: float = 0.0  # AdamW
     steps: int = 0    # steps per epoch (language model); 0: one pass over the rank's shard
     configs: Tuple[str, ...] = SGD_CONFIGS
+    schedule: str = "constant"  # or "cosine": linear warm-up, then cosine decay to 0 (lr_factor)
+
+
+#: Fraction of the run spent in the linear learning-rate warm-up of the "cosine" schedule.
+WARMUP_FRACTION = 0.1
+
+
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """The learning rate's factor at ``step`` (0-based) of ``total``: 1 for "constant"; for
+    "cosine" a linear warm-up over the first WARMUP_FRACTION of the steps, then a half cosine that
+    reaches 0 one step after the last (the usual transformer recipe)."""
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"unknown schedule {schedule!r}: use 'constant' or 'cosine'")
+    warmup = max(1, round(WARMUP_FRACTION * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
 # Learning rates where staleness costs accuracy (trials with --lr); each SGD task at two, to show
@@ -229,6 +248,7 @@ def _worker(args: argparse.Namespace) -> None:
     lr = args.lr if args.lr is not None else task.lr
     momentum = args.momentum if args.momentum is not None else task.momentum
     epochs = args.epochs or task.epochs
+    schedule = args.schedule or task.schedule
     if task.data == "pydoc":
         from benchmarks.accuracy_lm import LanguageModel
 
@@ -253,7 +273,11 @@ def _worker(args: argparse.Namespace) -> None:
                                             compression=cfg.compression,
                                             staleness_correction=cfg.correction or False,
                                             warmup_steps=cfg.warmup_epochs * problem.steps)
-            runs.append({"config": key, "seed": seed, "model": model, "opt": opt, "seconds": 0.0,
+            # attached to the distributed optimizer, as a Horovod user attaches it
+            scheduler = torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda step: lr_factor(schedule, step, epochs * problem.steps))
+            runs.append({"config": key, "seed": seed, "model": model, "opt": opt, "scheduler": scheduler,
+                         "seconds": 0.0,
                          "value": [], "spread": [], "time": [], "loss": []})
 
     for epoch in range(epochs):
@@ -269,6 +293,7 @@ def _worker(args: argparse.Namespace) -> None:
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
                 loss.backward()
                 opt.step()
+                run["scheduler"].step()
                 total += float(loss.detach())
             if epoch == epochs - 1:
                 opt.flush()  # apply the gradient still in flight
@@ -299,6 +324,7 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(MARKER + json.dumps({"task": task.name, "metric": problem.metric, "optimizer": task.optimizer,
                                    "lr": lr, "momentum": momentum, "weight_decay": task.weight_decay,
+                                   "schedule": schedule,
                                    "epochs": epochs, "batch": task.batch, "ranks": size,
                                    "steps_per_epoch": problem.steps, "train_size": problem.train_size,
                                    "test_size": problem.test_size, "runs": out}),
@@ -313,7 +339,8 @@ def _launch(task: str, args: argparse.Namespace) -> Dict[str, Any]:
     cmd = [str(bindir / "horovodrun"), "-np", "2", "-H", "localhost:2", "--mpi",
            str(bindir / "python"), "-m", "benchmarks.accuracy", "--worker", "--task", task,
            "--seeds", str(args.seeds)] + (["--configs", *args.configs] if args.configs else [])
-    for flag, value in (("--epochs", args.epochs), ("--lr", args.lr), ("--momentum", args.momentum)):
+    for flag, value in (("--epochs", args.epochs), ("--lr", args.lr), ("--momentum", args.momentum),
+                        ("--schedule", args.schedule)):
         if value is not None:
             cmd += [flag, str(value)]
     start = time.perf_counter()
@@ -387,6 +414,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--epochs", type=int, help="override each task's epochs (trials)")
     parser.add_argument("--lr", type=float, help="override each task's learning rate (trials)")
     parser.add_argument("--momentum", type=float, help="override each task's momentum (trials)")
+    parser.add_argument("--schedule", choices=("constant", "cosine"), help="override each task's schedule (trials)")
     parser.add_argument("--no-doc", action="store_true", help="print the tables, leave docs/ alone (trials)")
     parser.add_argument("--save", type=Path, help="also write the results (JSON) here")
     args = parser.parse_args(argv)

@@ -5,9 +5,9 @@ Everything in the text is computed here from the results of one run of ``benchma
 seed with its metric per epoch): the tables, the verdicts against issue 18's targets and the rule
 of which correction to use with which optimizer. The one exception is marked: the figures of the
 previous run (2026-12-03) for the two configurations the default run no longer trains, quoted
-from that run's docs/accuracy.md (:data:`PREVIOUS`). The section between the ``corrections``
-markers (what each correction does and costs, from ``benchmarks/corrections_cost.py``) is kept
-from the existing file as it is.
+from that run's docs/accuracy.md (:data:`PREVIOUS`). The marked sections of other scripts (what
+each correction does and costs, from ``benchmarks/corrections_cost.py``; the plain delayed AdamW
+runs of ``benchmarks/accuracy_lm_delay.py``) are kept from the existing file as they are.
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ PLOT = ROOT / "docs" / "img" / "accuracy.png"
 #: test accuracy (classification), percent of validation perplexity (language model).
 TARGETS = {"accuracy": 0.5, "val_loss": 1.0}
 OPTIMIZERS = {"sgd": "SGD with momentum", "adamw": "AdamW"}
-KEEP = re.compile(r"<!-- BEGIN corrections -->.*?<!-- END corrections -->", re.S)
+#: The marked sections other scripts write (corrections_cost's "corrections", accuracy_lm_delay's
+#: "lm-delay"): kept as they are, in their order, at the end of the page.
+KEEP = re.compile(r"<!-- BEGIN ([\w-]+) -->.*?<!-- END \1 -->", re.S)
 #: Previous run, 2026-12-03 (docs/accuracy.md at commit 0689ae7): points vs synchronous of weight
 #: prediction + int8+EF alone, with a synchronous first epoch, and with momentum x 0.8.
 PREVIOUS_COMMIT = "0689ae7"
@@ -259,9 +261,8 @@ def target_text(verdicts: Sequence[Mapping[str, Any]], results: Sequence[Mapping
 
 
 def keep_block(doc: Path = DOC) -> str:
-    """The marked ``corrections`` section of the existing doc, as it is (empty without markers)."""
-    found = KEEP.search(doc.read_text()) if doc.exists() else None
-    return found.group(0) if found else ""
+    """The marked sections of the existing doc (:data:`KEEP`), as they are (empty without any)."""
+    return "\n\n".join(m.group(0) for m in KEEP.finditer(doc.read_text())) if doc.exists() else ""
 
 
 def document(results: Sequence[Mapping[str, Any]], cost: Mapping[str, float], elapsed: float, machine: str,
@@ -277,7 +278,9 @@ def document(results: Sequence[Mapping[str, Any]], cost: Mapping[str, float], el
 
 Written by `benchmarks/accuracy.py` (`make accuracy`, text from `benchmarks/accuracy_doc.py`) from one
 run; no figure here is typed by hand, except the previous run's, quoted and labelled as such, and
-the section "Staleness corrections" at the end (from `benchmarks/corrections_cost.py`, kept as is).
+the sections at the end, each written by its own script and kept as is ("Staleness corrections" from
+`benchmarks/corrections_cost.py`, "Why the language model's gap stays" from
+`benchmarks/accuracy_lm_delay.py`).
 {machine}; {elapsed:.0f} s in all. Each task is one launch of `horovodrun -np 2 -H localhost:2 --mpi`
 that trains all its configurations and seeds side by side, epoch by epoch (one torch thread per
 rank): each run has its own model and optimizer, runs of one seed start from the same weights and

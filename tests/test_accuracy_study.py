@@ -11,7 +11,7 @@ import torch
 
 from benchmarks import accuracy_doc as doc
 from benchmarks import accuracy_lm as lm
-from benchmarks.accuracy import BY_KEY, TASKS, configs_for
+from benchmarks.accuracy import BY_KEY, TASKS, configs_for, lr_factor
 
 # ------------------------------------------------------------------------------- language model
 
@@ -43,6 +43,18 @@ def test_windows_are_next_byte_targets():
     assert torch.equal(y, x + 1) and torch.equal(x[1, 0], torch.tensor(16))
     xb, yb = lm.train_batch(data, 5, torch.Generator().manual_seed(0), context=16)
     assert xb.shape == yb.shape == (5, 16) and torch.equal(yb, xb + 1)
+
+
+def test_cosine_schedule_warms_up_linearly_then_decays_to_zero():
+    total = 100  # warm-up: the first 10 steps
+    factors = [lr_factor("cosine", s, total) for s in range(total)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10] == 1.0 and 0 < factors[-1] < 1e-3  # reaches 0 one step after the last
+    assert factors[55] == pytest.approx(0.5)  # half way through the decay (approx: float rounding)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert {lr_factor("constant", s, total) for s in range(total)} == {1.0}
+    with pytest.raises(ValueError, match="unknown schedule 'linear'"):
+        lr_factor("linear", 0, total)
 
 
 def test_model_shapes_and_causality():
@@ -153,13 +165,14 @@ def test_document_states_the_computed_verdicts_and_keeps_the_marked_section(tmp_
     results = _synthetic()
     kept_doc = tmp_path / "accuracy.md"
     kept_doc.write_text("old text\n<!-- BEGIN corrections -->\n## Staleness corrections\nkept 1.23\n"
-                        "<!-- END corrections -->\nold tail\n")
+                        "<!-- END corrections -->\nold tail\n<!-- BEGIN lm-delay -->\nkept 4.56\n<!-- END lm-delay -->\n")
     tasks = {**TASKS, "x": TASKS["digits"]}
     cost = {"step_ms": 1.0, "step_corrected_ms": 1.5, "pair_ms": 0.1, "params": 10, "extra_bytes": 80}
     doc.write(results, cost, 12.0, "a machine", BY_KEY, tasks, doc=kept_doc, image=tmp_path / "a.png")
     text = kept_doc.read_text()
     assert (tmp_path / "a.png").stat().st_size > 0
-    assert "<!-- BEGIN corrections -->\n## Staleness corrections\nkept 1.23\n<!-- END corrections -->" in text
+    assert ("<!-- BEGIN corrections -->\n## Staleness corrections\nkept 1.23\n<!-- END corrections -->\n\n"
+            "<!-- BEGIN lm-delay -->\nkept 4.56\n<!-- END lm-delay -->") in text
     assert "old text" not in text and "old tail" not in text
     assert "- **digits** (SGD with momentum): best `eager`, -0.10 points (within 0.5 point)" in text
     assert "- **pydoc-lm** (AdamW): best `adam_prediction`, +0.50% perplexity (within 1% perplexity)" in text
@@ -181,3 +194,30 @@ def test_previous_figures_match_the_previous_doc():
                            ("momentum x 0.8 |", m08)):
             row = next(line for line in section.splitlines() if label in line)
             assert float(row.split("|")[3]) == pytest.approx(gap), (task, label)
+
+
+# ------------------------------------------------------- plain delayed AdamW (accuracy_lm_delay)
+
+
+def test_plain_delayed_adamw_reference_delays_by_exactly_one_step():
+    from benchmarks import accuracy_lm_delay as delay
+
+    short = delay.Setting("short", 1e-2, steps=8)
+    sync = delay.train(short, delayed=False)
+    assert len(sync) == delay.EVALS and all(math.isfinite(v) for v in sync)
+    # synchronous throughout (the delay would start after the last step): the synchronous run, bitwise
+    assert delay.train(delay.Setting("late", 1e-2, steps=8, sync_first=8), delayed=True) == sync
+    delayed = delay.train(short, delayed=True)
+    assert delayed != sync
+    # the first two steps synchronous: equal up to the second evaluation, different after it
+    half = delay.train(delay.Setting("half", 1e-2, steps=8, sync_first=2), delayed=True)
+    assert half[0] == sync[0] and half[1:] != sync[1:]
+
+
+def test_plain_delayed_adamw_section_reports_the_end_gap():
+    from benchmarks import accuracy_lm_delay as delay
+
+    s = delay.Setting("a setting", 1e-2, steps=400)
+    text = delay.section({s: {False: [10.0, 8.0, 6.0, 5.0], True: [12.0, 11.0, 10.0, 7.5]}}, 61.0)
+    assert "| a setting | 100 / 200 / 300 / 400 | 10.00 / 8.00 / 6.00 / 5.00 | 12.00 / 11.00 / 10.00 / 7.50 " \
+           "| +50.0% |" in text
