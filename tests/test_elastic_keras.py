@@ -49,10 +49,11 @@ def elastic_job(tmp_path_factory):
            "--host-discovery-script", str(discover),
            sys.executable, str(TESTS / "mp" / "elastic_keras.py"), str(tmp_path), join_host]
     # Gloo's timeout bounds two waits: the survivors' rendezvous with the joining worker, which
-    # starts only then and must import TensorFlow first (~30 s on a loaded 2-core machine), and,
-    # after the kill, the survivor whose pending receive was from the other survivor (it sees no
-    # broken connection: it waits the whole timeout). 60 s covers the first with room.
-    out = run_command(cmd, "elastic_keras.py", 420, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}, False)
+    # starts only then and must import TensorFlow first (6-7 s from the host's appearance to the
+    # new world's first step when the suite runs alone on 2 cores), and, after the kill, the
+    # survivor whose pending receive was from the other survivor (it sees no broken connection:
+    # it waits the whole timeout). 30 s covers the first four times over and bounds the second.
+    out = run_command(cmd, "elastic_keras.py", 420, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"}, False)
     events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     return events, out, join_host
 

@@ -1,4 +1,6 @@
 """Keras 3 / TensorFlow under horovodrun -np 2: model.fit, custom loops, the graph's overlap, callbacks."""
+import pytest
+
 from launcher import run_ranks
 
 
@@ -38,8 +40,14 @@ def test_keras_checkpoint_mid_pipeline_restores_bitwise_in_fresh_processes(tmp_p
     assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out
 
 
-def test_keras_bad_arguments_get_errors_that_name_the_problem():
-    _assert_passed(run_ranks("mp/keras_reliability.py", "arguments", timeout=300), ["keras-bad-arguments"])
+@pytest.fixture(scope="module")
+def reliability_out():
+    """One launch for the keras_reliability cases that end normally (TensorFlow starts once)."""
+    return run_ranks("mp/keras_reliability.py", "arguments", "sparse", "nonfinite", "drift", timeout=400)
+
+
+def test_keras_bad_arguments_get_errors_that_name_the_problem(reliability_out):
+    _assert_passed(reliability_out, ["keras-bad-arguments"])
 
 
 def test_keras_models_that_differ_across_ranks_raise_on_every_rank():
@@ -52,13 +60,12 @@ def test_keras_models_that_differ_across_ranks_raise_on_every_rank():
         assert "(12, 33)" in found.group(1) or "(12, 32)" in found.group(1), found.group(1)
 
 
-def test_keras_sparse_embedding_gradients_are_reduced_dense():
-    _assert_passed(run_ranks("mp/keras_reliability.py", "sparse", timeout=300), ["keras-sparse-embedding"])
+def test_keras_sparse_embedding_gradients_are_reduced_dense(reliability_out):
+    _assert_passed(reliability_out, ["keras-sparse-embedding"])
 
 
-def test_keras_nonfinite_gradients_leave_replicas_equal():
-    _assert_passed(run_ranks("mp/keras_reliability.py", "nonfinite", timeout=300),
-                   ["keras-nonfinite-int8", "keras-nonfinite-bf16", "keras-nonfinite-none"])
+def test_keras_nonfinite_gradients_leave_replicas_equal(reliability_out):
+    _assert_passed(reliability_out, ["keras-nonfinite-int8", "keras-nonfinite-bf16", "keras-nonfinite-none"])
 
 
 def test_keras_digits_width_1_and_2_reach_95_percent_within_a_point():
@@ -72,10 +79,10 @@ def test_keras_digits_width_1_and_2_reach_95_percent_within_a_point():
     assert abs(sync - pipelined) <= 0.01, found
 
 
-def test_keras_replica_drift_is_caught_on_every_rank_in_fit_tf_function_and_eager_loops():
+def test_keras_replica_drift_is_caught_on_every_rank_in_fit_tf_function_and_eager_loops(reliability_out):
     import re
 
-    out = run_ranks("mp/keras_reliability.py", "drift", timeout=300)
+    out = reliability_out
     _assert_passed(out, ["keras-drift-setting-checked-across-ranks"]
                    + [f"keras-drift-checks-pass-while-equal-{loop}" for loop in ("fit", "tf.function", "eager")])
     for loop, error in (("fit", "UnknownError"), ("tf.function", "UnknownError"), ("eager", "ReplicaDriftError")):
