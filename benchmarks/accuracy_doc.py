@@ -160,6 +160,8 @@ def _settings(result: Mapping[str, Any]) -> str:
         head = (f"{r['train_size']:,} training / {r['test_size']:,} validation bytes, {r['ranks']} ranks, batch "
                 f"{r['batch']} windows per rank, {r['steps_per_epoch']} steps per epoch, {r['epochs']} epochs, "
                 f"AdamW lr {r['lr']:g} (not scaled by ranks), weight decay {r['weight_decay']:g}")
+    if r.get("schedule", "constant") != "constant":  # a trial's --schedule (results before it have none)
+        head += f", learning rate schedule: {r['schedule']} (warm-up, then decay)"
     return head
 
 

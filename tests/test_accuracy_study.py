@@ -221,3 +221,9 @@ def test_plain_delayed_adamw_section_reports_the_end_gap():
     text = delay.section({s: {False: [10.0, 8.0, 6.0, 5.0], True: [12.0, 11.0, 10.0, 7.5]}}, 61.0)
     assert "| a setting | 100 / 200 / 300 / 400 | 10.00 / 8.00 / 6.00 / 5.00 | 12.00 / 11.00 / 10.00 / 7.50 " \
            "| +50.0% |" in text
+
+
+def test_settings_name_a_trials_schedule_and_only_then():
+    _, _, lmr = _synthetic()
+    assert "schedule" not in doc._settings(lmr)
+    assert doc._settings({**lmr, "schedule": "cosine"}).endswith(", learning rate schedule: cosine (warm-up, then decay)")
