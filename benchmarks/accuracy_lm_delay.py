@@ -10,7 +10,7 @@ one batch of 32 here), and measures validation perplexity along the way. Setting
 own (lr 1e-2, 400 steps), lower rates, Adam's beta2 at 0.95, a warm-up + cosine schedule, the
 first half synchronous, and three times the steps.
 
-Run ``.venv/bin/python -m benchmarks.accuracy_lm_delay`` from the repository root (about 4 min on
+Run ``.venv/bin/python -m benchmarks.accuracy_lm_delay`` from the repository root (about 3 min on
 2 cores); it rewrites the marked ``lm-delay`` section of docs/accuracy.md (the study keeps it).
 """
 from __future__ import annotations
