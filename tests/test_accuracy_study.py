@@ -199,7 +199,7 @@ def test_previous_figures_match_the_previous_doc():
 # ------------------------------------------------------- plain delayed AdamW (accuracy_lm_delay)
 
 
-def test_plain_delayed_adamw_reference_delays_by_exactly_one_step():
+def test_plain_delayed_adamw_reference_is_synchronous_until_the_delay_starts_then_differs():
     from benchmarks import accuracy_lm_delay as delay
 
     short = delay.Setting("short", 1e-2, steps=8)
