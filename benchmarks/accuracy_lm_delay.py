@@ -20,10 +20,10 @@ import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.report import write_section
 
@@ -107,7 +107,7 @@ def measure(settings: Sequence[Setting], workers: int = 2) -> Dict[Setting, Dict
     """Every setting synchronous and delayed, ``workers`` processes at a time (a synchronous run
     does not depend on ``sync_first``, so it is trained once per distinct rest of the setting)."""
     def sync_of(s: Setting) -> Setting:
-        return Setting("", s.lr, s.steps, s.betas, s.schedule)
+        return replace(s, label="", sync_first=0)
 
     jobs = list(dict.fromkeys([(sync_of(s), False) for s in settings] + [(s, True) for s in settings]))
     curves: Dict[Tuple[Setting, bool], List[float]] = {}
@@ -152,11 +152,11 @@ rule names, and expect width 2 to need more steps or a lower learning rate than 
 training at the rate tuned for it; check against synchronous training before relying on it."""
 
 
-def main(argv: Sequence[str] = ()) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--no-doc", action="store_true", help="print the section, leave docs/ alone")
-    args = parser.parse_args(list(argv) or None)
+    args = parser.parse_args(argv)
     start = time.perf_counter()
     text = section(measure(SETTINGS, args.workers), time.perf_counter() - start)
     if args.no_doc:
@@ -167,4 +167,4 @@ def main(argv: Sequence[str] = ()) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

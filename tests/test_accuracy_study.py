@@ -209,7 +209,7 @@ def test_plain_delayed_adamw_reference_is_synchronous_until_the_delay_starts_the
     assert delay.train(delay.Setting("late", 1e-2, steps=8, sync_first=8), delayed=True) == sync
     delayed = delay.train(short, delayed=True)
     assert delayed != sync
-    # the first two steps synchronous: equal up to the second evaluation, different after it
+    # the first two steps synchronous: equal at the first evaluation (after step 2), different from the next on
     half = delay.train(delay.Setting("half", 1e-2, steps=8, sync_first=2), delayed=True)
     assert half[0] == sync[0] and half[1:] != sync[1:]
 
