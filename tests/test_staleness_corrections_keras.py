@@ -63,9 +63,13 @@ def train(traced, ranks=2, width=2, **options):
     return run_threads(LocalWorld(ranks, TensorFlowOps()), rank_fn, timeout=120), data
 
 
-def reference(data, rule, ranks=2, width=2):
+def reference(data, rule, ranks=2, width=2, traced=False):
     """``rule(rank, avg, local_now, local_then, w_now, w_then, shared)`` -> the gradient applied
-    for a stale average (``local_now`` None at flush); one model per rank (eager's replicas differ)."""
+    for a stale average (``local_now`` None at flush); one model per rank (eager's replicas differ).
+    ``traced``: the gradients come from a tf.function too, because a traced graph's forward and
+    backward pass need not match eager bitwise (with oneDNN on, the graph fuses matmul, bias and
+    activation, and on an AVX-512 CPU that moves the gradient by an ulp)."""
+    grads_of = tf.function(gradients) if traced else gradients
     models = [make_model() for _ in range(ranks)]
     opts = [inner() for _ in range(ranks)]
     for m, o in zip(models, opts):
@@ -81,7 +85,7 @@ def reference(data, rule, ranks=2, width=2):
             o.apply_gradients(zip(applied, m.trainable_variables))
 
     for t in range(STEPS):
-        local = [gradients(m, data[t][r]) for r, m in enumerate(models)]
+        local = [grads_of(m, data[t][r]) for r, m in enumerate(models)]
         weights = [[tf.identity(v) for v in m.trainable_variables] for m in models]
         avg = [(a + b) * 0.5 for a, b in zip(*local)] if ranks == 2 else list(local[0])
         applies = len(queue) == width - 1
@@ -116,7 +120,7 @@ RULES = {"delay_compensation": dc_rule, "eager": eager_rule}
 def test_keras_correction_matches_the_reference_rule(kind, traced, ranks, width):
     got, data = train(traced, ranks, width, staleness_correction=kind, dc_lambda=LAM)
     rule = RULES[kind] if kind != "eager" else (lambda *a: eager_rule(*a, ranks=ranks))
-    want = reference(data, rule, ranks, width)
+    want = reference(data, rule, ranks, width, traced)
     for rank in range(ranks):
         for g, w in zip(got[rank], want[rank]):
             np.testing.assert_array_equal(g, w)  # same ops in the same order: bitwise
