@@ -83,34 +83,37 @@ def codec_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str, flo
     return out
 
 
+TF_PATHS = {"TensorFlow (tf.function)": True, "TensorFlow reference (tf.function)": False}  # label -> fused
+
+
 def tensorflow_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str, float]]:
-    """The same codecs on TensorFlow, inside ``tf.function`` (graph tensors have no address, so
-    TensorFlow runs the tensor-op composition), each next to a PyTorch copy of the same bytes."""
+    """The same codecs on TensorFlow, inside ``tf.function``: the kernels (``tf_kernels.py``, one
+    ``tf.numpy_function`` per pass) and the tensor-op composition (``fused=False``), each next to a
+    PyTorch copy of the same bytes."""
     import tensorflow as tf
 
     from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    ops = TensorFlowOps()
     x_torch = torch.randn(1, numel)
     copy_dst = torch.empty_like(x_torch)
     x = tf.constant(x_torch.numpy())
     out: Dict[Tuple[str, str], Dict[str, float]] = {}
     for name, make in CODECS.items():
-        codec = make()
-        cols = numel
-        encode = tf.function(lambda t: codec.encode(ops, t, key="b", seed=0)[0])
-        decode = tf.function(lambda p: codec.decode(ops, p, cols))
-        decode(encode(x))  # trace both (and create the residual variable)
-        times: Dict[str, List[float]] = {"encode": [], "decode": [], "copy": []}
-        for _ in range(repeats):
-            got: Dict[str, object] = {}
-            times["copy"].append(seconds(lambda: copy_dst.copy_(x_torch)))
-            times["encode"].append(seconds(lambda: got.update(p=encode(x).numpy())))
-            payload = tf.constant(got["p"])
-            times["decode"].append(seconds(lambda: decode(payload).numpy()))
-        out[name, "TensorFlow (tf.function)"] = {k: statistics.median(v) for k, v in times.items()}
+        for label, fused in TF_PATHS.items():
+            codec, ops, cols = make(), TensorFlowOps(fused=fused), numel
+            encode = tf.function(lambda t: codec.encode(ops, t, key="b", seed=0)[0])
+            decode = tf.function(lambda p: codec.decode(ops, p, cols))
+            decode(encode(x))  # trace both (and create the residual variable)
+            times: Dict[str, List[float]] = {"encode": [], "decode": [], "copy": []}
+            for _ in range(repeats):
+                got: Dict[str, object] = {}
+                times["copy"].append(seconds(lambda: copy_dst.copy_(x_torch)))
+                times["encode"].append(seconds(lambda: got.update(p=encode(x).numpy())))
+                payload = tf.constant(got["p"])
+                times["decode"].append(seconds(lambda: decode(payload).numpy()))
+            out[name, label] = {k: statistics.median(v) for k, v in times.items()}
         log(f"TensorFlow {name}: done")
     return out
 
@@ -205,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--max-quiet-wait", type=float, default=60.0,
                         help="seconds to wait for an idle core before each measurement")
     parser.add_argument("--tensorflow", action="store_true",
-                        help="also TensorFlow inside tf.function (the unfused composition), smallest size only")
+                        help="also TensorFlow inside tf.function (kernels and reference), smallest size only")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -236,8 +239,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         "(the last row prices that for a plain copy), so the codecs also ran in a process where freed "
         "memory stays mapped (`MALLOC_MMAP_THRESHOLD_=2^30 MALLOC_TRIM_THRESHOLD_=2^31`): that column "
         "is the kernels' own speed."
-        + (" `TensorFlow (tf.function)`: the same codecs traced by TensorFlow (one thread), which "
-           "keeps the unfused composition (a graph tensor has no address for the kernels)."
+        + (" `TensorFlow (tf.function)`: the same codecs traced by TensorFlow (one thread), through the "
+           "same kernels inside `tf.numpy_function` (`pipesgd_hvd/frameworks/tf_kernels.py`); "
+           "`TensorFlow reference (tf.function)`: its unfused tensor-op composition (`fused=False`)."
            if args.tensorflow else "") + "\n\n"
         + codec_table(by_mode)
         + f"\n\n### CPU of one compressed all-reduce\n\n`benchmarks/allreduce_cpu.py`: `compressed_allreduce` "

@@ -80,10 +80,12 @@ class TensorOps(Protocol):
         may read it (and write it, if the codec owns it: outputs, residuals): a C-contiguous
         tensor in host memory of a table that also has :meth:`MutableTensorOps.empty`. None
         otherwise (GPU and graph tensors, a table built with ``fused=False``): the codecs then
-        run their tensor-op reference instead."""
+        use :meth:`device_kernels`, or their tensor-op reference where that is None too."""
     def device_kernels(self, x: Tensor) -> Any:
-        """The fused device kernels for ``x`` (``compression/triton_kernels.py`` for a CUDA tensor
-        of a fused table, when Triton is importable), or None: host kernels or the reference."""
+        """The fused kernels for a tensor without an address, as a module of the interface of
+        ``compression/triton_kernels.py``: that one for a CUDA tensor of a fused table (when
+        Triton is importable), ``frameworks/tf_kernels.py`` for a TensorFlow CPU tensor (the host
+        kernels inside ``tf.numpy_function``). None: host kernels or the reference."""
     def record_use(self, x: Tensor) -> None:
         """``x`` crossed streams and is used by the current one (CUDA: ``record_stream``, so the
         allocator does not hand its memory to other work before this stream has read it).

@@ -14,10 +14,11 @@ their block: a block holding inf or nan decodes as all-nan (its scale is nan), a
 changes. That is enough for AMP's overflow check to see it and skip the step on every rank.
 (The codes inside such a block are unspecified.)
 
-Speed: on host tensors (PyTorch CPU, numpy) the byte codecs run fused kernels
-(``compression/kernels.py``): encode with error feedback in one pass, decode+sum in one pass.
-The tensor-op compositions below are the reference they equal bit for bit (nearest rounding),
-and what runs elsewhere (CUDA, TensorFlow graphs, a table built with ``fused=False``).
+Speed: on host tensors (PyTorch CPU, numpy, TensorFlow CPU eager or traced) the byte codecs run
+fused kernels (``compression/kernels.py``): encode with error feedback in one pass, decode+sum in
+one pass; CUDA tensors run their Triton twins. The tensor-op compositions below are the reference
+they equal bit for bit (nearest rounding), and what runs elsewhere (CUDA without Triton, TensorFlow
+GPU tensors, a table built with ``fused=False``).
 """
 from __future__ import annotations
 

@@ -7,12 +7,14 @@ encode-with-error-feedback in one read of the gradient and the residual, and dec
 received rows in one read of the codes.
 
 Each function here returns ``None`` when the kernels cannot take the call: the extension was not
-built, or a tensor is not a C-contiguous host buffer of the expected dtype (a CUDA tensor, a
-TensorFlow graph tensor, a table built with ``fused=False``). The codec then runs its unfused
+built, or a tensor is not a C-contiguous host buffer of the expected dtype (a CUDA tensor without
+Triton, a TensorFlow GPU tensor, a table built with ``fused=False``). The codec then runs its unfused
 tensor-op composition, which is the reference the kernels are tested against bit for bit
 (tests/test_codec_kernels.py). Written once for every table: the only per-framework pieces are
 ``TensorOps.kernel_address`` and ``TensorOps.device_kernels`` (CUDA tensors go to the Triton
-twins of these kernels, ``triton_kernels.py``, when Triton is importable).
+twins of these kernels, ``triton_kernels.py``, when Triton is importable; TensorFlow CPU tensors,
+which have no address inside a graph, to ``frameworks/tf_kernels.py``, which calls these
+functions on numpy views of them inside ``tf.numpy_function``).
 """
 from __future__ import annotations
 
@@ -51,9 +53,13 @@ class Kind(enum.IntEnum):
 # bytes per value of each cast/truncation layout; the alignment their payload rows need
 _CAST_BYTES = {Kind.FP16: 2, Kind.BF16: 2, Kind.TRUNC16: 2, Kind.TRUNC24: 3, Kind.FP16_SOFT: 2}
 _ALIGN = {"float32": 4, "uint8": 1}
-# The layouts the device kernels encode and decode (``triton_kernels.CAST_KINDS``). A truncated
-# float32's 16 bits decode as a bfloat16 does: both are the upper half of a float32.
-_DEVICE_CAST_LAYOUTS = {Kind.FP16: "fp16", Kind.BF16: "bf16", Kind.TRUNC16: "truncate16"}
+# Names of the cast layouts in the device kernels' interface. A device module lists those it
+# has in ``CAST_KINDS``: triton_kernels the 16-bit ones, frameworks/tf_kernels (which runs these
+# host kernels) all four. Decoders take ``bf16``: whether the values are a float32's upper bytes
+# (a bfloat16 or a truncation; 2 or 3 bytes each, as the payload's row length says) or float16.
+_DEVICE_CAST_LAYOUTS = {Kind.FP16: "fp16", Kind.BF16: "bf16", Kind.TRUNC16: "truncate16",
+                        Kind.TRUNC24: "truncate24"}
+_16BIT_LAYOUTS = ("fp16", "bf16", "truncate16")
 
 
 def available() -> bool:
@@ -79,8 +85,16 @@ def accepts(ops: TensorOps, x: Tensor) -> bool:
 
 
 def _on_device(ops: TensorOps, x: Tensor) -> Optional[ModuleType]:
-    """The device kernels for ``x`` (the Triton module for CUDA tensors), or None: host or reference."""
+    """The device kernels for ``x`` (the Triton module for CUDA tensors, tf_kernels for TensorFlow
+    CPU tensors), or None: host or reference."""
     return ops.device_kernels(x)
+
+
+def _device_layout(device: ModuleType, kind: Kind) -> Optional[str]:
+    """``device``'s name for the cast layout ``kind``, or None where it has no kernel for it (the
+    reference runs). A module that lists no ``CAST_KINDS`` has the 16-bit layouts."""
+    layout = _DEVICE_CAST_LAYOUTS.get(kind)
+    return layout if layout in getattr(device, "CAST_KINDS", _16BIT_LAYOUTS) else None
 
 
 def row_bytes(kind: Kind, cols: int, width: int, bits: int) -> int:
@@ -121,12 +135,13 @@ def _empty(ops: TensorOps, shape: Shape, dtype: str, like: Tensor) -> Tuple[Tens
 
 
 def quantize_encode(ops: TensorOps, x: Tensor, *, width: int, bits: int, noise: Optional[Tensor] = None,
-                    residual: Optional[Tensor] = None, error_feedback: bool = False
-                    ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+                    residual: Optional[Tensor] = None, error_feedback: bool = False,
+                    overwrite_residual: bool = True) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """Quantize float32 rows ``x`` (``x + residual`` when given) -> ``(payload, new_residual)``.
 
     With ``error_feedback`` the new residual ``y - decode(encode(y))`` (non-finite values set to 0)
-    is written into ``residual`` in place, or into a new tensor when ``residual`` is None.
+    is written into ``residual`` in place, or into a new tensor when ``residual`` is None or
+    ``overwrite_residual`` is False (tf_kernels: ``residual`` is a view of TensorFlow's memory).
     """
     device = _on_device(ops, x)
     if device is not None and ops.dtype_name(x) == "float32":
@@ -140,7 +155,8 @@ def quantize_encode(ops: TensorOps, x: Tensor, *, width: int, bits: int, noise: 
     payload, payload_at = _empty(ops, (rows, row_bytes(Kind.QUANTIZE, cols, width, bits)), "uint8", x)
     new_residual, out_at = None, 0
     if error_feedback:
-        new_residual, out_at = (residual, r_at) if residual is not None else _empty(ops, shape, "float32", x)
+        in_place = residual is not None and overwrite_residual
+        new_residual, out_at = (residual, r_at) if in_place else _empty(ops, shape, "float32", x)
     _native.quantize_encode(x_at, r_at, out_at, noise_at, payload_at, rows, cols, width, bits)
     return payload, new_residual
 
@@ -148,8 +164,8 @@ def quantize_encode(ops: TensorOps, x: Tensor, *, width: int, bits: int, noise: 
 def cast_encode(ops: TensorOps, x: Tensor, kind: Kind) -> Optional[Tensor]:
     """float32 rows -> uint8 rows of float16 / bfloat16 / the upper 2 or 3 bytes of each value."""
     device = _on_device(ops, x)
-    if device is not None:  # the 16-bit layouts have a device kernel; TRUNC24 runs the reference
-        layout = _DEVICE_CAST_LAYOUTS.get(kind)
+    if device is not None:  # a layout the device has no kernel for (Triton: TRUNC24) runs the reference
+        layout = _device_layout(device, kind)
         return device.cast_encode(x, layout=layout) if layout and ops.dtype_name(x) == "float32" else None
     rows, cols = shape = ops.shape(x)
     addresses = _addresses(ops, [(x, "float32", shape)])
@@ -177,7 +193,7 @@ def decode(ops: TensorOps, payload: Tensor, kind: Kind, *, cols: int, width: int
     if device is not None:
         if kind == Kind.QUANTIZE:
             return device.quantize_decode(payload, cols=cols, width=width, bits=bits)
-        if kind in _DEVICE_CAST_LAYOUTS:
+        if _device_layout(device, kind):
             return device.cast_decode(payload, cols=cols, bf16=kind != Kind.FP16)
         return None
     at = _payload_address(ops, payload, kind, cols, width, bits)
@@ -197,7 +213,7 @@ def decode_sum(ops: TensorOps, payload: Tensor, kind: Kind, *, cols: int, scale:
     if device is not None:
         if kind == Kind.QUANTIZE:
             return device.quantize_decode_sum(payload, cols=cols, width=width, bits=bits, scale=scale)
-        if kind in _DEVICE_CAST_LAYOUTS:
+        if _device_layout(device, kind):
             return device.cast_decode_sum(payload, cols=cols, bf16=kind != Kind.FP16, scale=scale)
         return None
     at = _payload_address(ops, payload, kind, cols, width, bits)

@@ -3,16 +3,22 @@
 Everything here is functional (TensorFlow tensors are immutable); the only state is what
 :meth:`new_state` creates, a ``tf.Variable``, so codec state such as error-feedback residuals
 lives in the graph and is saved by ``tf.train.Checkpoint`` like any other variable.
+
+The byte codecs run the fused host kernels on CPU tensors (``tf_kernels.py``, through
+``tf.numpy_function``), and their tensor-op composition on GPU tensors or with ``fused=False``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
+from ..compression import kernels
 from ..schedule import Seed
 from ..tensor_ops import Shape
+from . import tf_kernels
 
 _DTYPES = {"float16": tf.float16, "bfloat16": tf.bfloat16, "float32": tf.float32, "float64": tf.float64,
            "uint8": tf.uint8, "int8": tf.int8, "int32": tf.int32, "int64": tf.int64, "bool": tf.bool}
@@ -22,8 +28,21 @@ def tf_dtype(dtype: str) -> tf.DType:
     return _DTYPES[dtype]
 
 
+def _on_cpu(x: Any) -> bool:
+    """Whether ``x`` lives (or, traced, will run) on the CPU. A graph tensor outside any
+    ``tf.device`` scope names no device type (a numpy_function's output names only its task);
+    the placer puts it on a GPU when one is visible."""
+    kind = tf.DeviceSpec.from_string(x.device or "").device_type
+    if kind:
+        return kind == "CPU"
+    return not tf.config.list_logical_devices("GPU")
+
+
 class TensorFlowOps:
     name = "tensorflow"
+
+    def __init__(self, fused: bool = True) -> None:
+        self.fused = fused  # False: codecs run their unfused tensor-op reference (the tests' baseline)
 
     def dtype_name(self, x: Any) -> str:
         return tf.as_dtype(x.dtype).name
@@ -144,15 +163,22 @@ class TensorFlowOps:
         return state.read_value() if isinstance(state, tf.Variable) else tf.convert_to_tensor(state)
 
     def kernel_address(self, x: Any) -> Optional[int]:
-        # A graph tensor has no address, and an eager one would need copies in and out of numpy
-        # (TensorFlow owns its buffers): TensorFlow runs the codecs' tensor-op composition.
+        # A graph tensor has no address, and TensorFlow owns its buffers: CPU tensors reach the
+        # kernels through tf_kernels (device_kernels below), eager or traced alike.
         return None
 
     def record_use(self, x: Any) -> None:
         return None  # TensorFlow orders its own streams
 
     def device_kernels(self, x: Any) -> Any:
-        return None  # TensorFlow runs the reference composition (inside its graph)
+        # GPU tensors keep the composition: a numpy_function would copy them to the host and back.
+        if not self.fused or self.dtype_name(x) not in ("float32", "uint8") or not _on_cpu(x):
+            return None
+        if not kernels.available():
+            warnings.warn(kernels.UNAVAILABLE or "pipesgd_hvd's fused codec kernels are not loaded",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return tf_kernels
 
     def move_like(self, x: Any, like: Optional[Any]) -> Any:
         return x  # TensorFlow places each op itself
