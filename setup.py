@@ -28,6 +28,6 @@ setup(
         "torch": ["torch>=2.0"],
         "tensorflow": ["tensorflow>=2.16", "keras>=3"],
         "mpi": ["mpi4py>=3.1"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn"],
     },
 )

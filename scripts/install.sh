@@ -93,7 +93,7 @@ if [ "$DEVICE" = cuda ]; then
 fi
 
 # Shared by every flavour: the tools, the build switches, the frameworks the build check wants.
-TOOLS=(numpy mpi4py scikit-learn pytest pytest-timeout hypothesis tqdm matplotlib cffi cloudpickle
+TOOLS=(numpy mpi4py scikit-learn pytest pytest-timeout pytest-xdist hypothesis tqdm matplotlib cffi cloudpickle
        psutil pyyaml packaging setuptools wheel)
 BUILT_WITH=(TensorFlow PyTorch MPI Gloo)
 GPU_PIP=()          # extra pip requirements of the GPU build (NCCL, CUDA compiler)

@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "install.sh"
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 CP = f"cp{sys.version_info.major}{sys.version_info.minor}"
 KEY = f"horovod-0.28.1-p2-torch2.13.0-tf2.21.0-{CP}"   # the cpu key of the wheels already cached
-TOOLS = ("numpy mpi4py scikit-learn pytest pytest-timeout hypothesis tqdm matplotlib cffi "
+TOOLS = ("numpy mpi4py scikit-learn pytest pytest-timeout pytest-xdist hypothesis tqdm matplotlib cffi "
          "cloudpickle psutil pyyaml packaging setuptools wheel")
 
 
