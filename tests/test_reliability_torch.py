@@ -517,8 +517,10 @@ def test_mp_killed_peer_is_reported_by_the_survivor():
     out = run_ranks("mp/reliability_lost_peer.py", "kill", controller="gloo", expect_failure=True, timeout=120)
     assert _detection_seconds(out) < 5.0, out
     # The pipeline's own channel (the default under Horovod) sees the broken connection; its error
-    # is a HorovodInternalError too, as hvd.elastic.run expects.
-    assert re.search(r"RAISED rank0 HorovodPeerLostError after [\d.]+ s: (alltoall|allgather) 'psgd\.[^']*' failed on "
+    # is a HorovodInternalError too, as hvd.elastic.run expects. Which of the step's collectives
+    # sees it depends on when the kill lands: the codec's phases, or the allreduce of the step's
+    # member flags (seen once, 2026-12-05).
+    assert re.search(r"RAISED rank0 HorovodPeerLostError after [\d.]+ s: (alltoall|allgather|allreduce) 'psgd\.[^']*' failed on "
                      r"the pipeline channel \(.*\): a peer was lost", out), out
     # The job fails (horovodrun names the first process that exited non-zero: rank 0 when its error
     # ends it first, rank 1 when the launcher reaps the killed one first; both were seen here).
