@@ -20,6 +20,7 @@ from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Trunca
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.frameworks.numpy_ops import NumpyOps
 from pipesgd_hvd.frameworks.torch_ops import TorchOps
+from codec_checks import assert_same_floats, comparable_bytes
 from threads import run_threads
 
 # the numpy reference warns about the overflows and NaNs these tests feed it on purpose
@@ -103,32 +104,6 @@ def make_rows(rows: int, cols: int, width: int, seed: int, special: bool, levels
 
 def as_numpy(ops, t) -> np.ndarray:
     return np.asarray(ops.to_numpy(t))
-
-
-def assert_same_floats(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    assert a.shape == b.shape, what
-    nan_a, nan_b = np.isnan(a), np.isnan(b)
-    assert np.array_equal(nan_a, nan_b), f"{what}: NaN in different places"
-    differ = np.flatnonzero(a[~nan_a].view(np.uint32) != b[~nan_b].view(np.uint32))
-    assert differ.size == 0, f"{what}: {differ.size} values differ, first {a[~nan_a][differ[0]]!r} vs {b[~nan_b][differ[0]]!r}"
-
-
-def comparable_bytes(codec: Codec, payload: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The payload with the bytes that need not agree zeroed: codes of NaN-scale blocks, NaN values."""
-    payload = payload.copy()
-    rows, cols = x.shape
-    if isinstance(codec, Quantize):
-        nblocks, width = codec._blocks(cols)
-        scales = payload[:, :4 * nblocks].copy().view(np.float32)
-        per_byte = width if codec.bits == 8 else width // 2
-        for r, b in zip(*np.nonzero(np.isnan(scales))):
-            start = 4 * nblocks + b * per_byte
-            payload[r, start:start + per_byte] = 0
-    else:
-        per_value = payload.shape[1] // cols
-        for r, c in zip(*np.nonzero(np.isnan(x))):
-            payload[r, c * per_value:(c + 1) * per_value] = 0
-    return payload
 
 
 def encode_both(name: str, table: str, x: np.ndarray, error_feedback: bool, steps: int = 1):

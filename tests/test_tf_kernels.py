@@ -11,6 +11,7 @@ from pipesgd_hvd.compression.allreduce import compressed_allreduce  # noqa: E402
 from pipesgd_hvd.frameworks import tf_kernels  # noqa: E402
 from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps  # noqa: E402
 from pipesgd_hvd.schedule import Seed  # noqa: E402
+from codec_checks import assert_same_floats, comparable_bytes  # noqa: E402
 from threads import run_threads  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.UNAVAILABLE or "kernels not built")
@@ -69,36 +70,19 @@ def _run(name, ef, ops, traced):
     return out
 
 
-def _comparable(payload, decoded):
-    """The payload with the bytes that need not agree zeroed (tests/test_codec_kernels.py): the
-    codes of a block whose scale is NaN, and the bits of a NaN value (both decode as NaN)."""
-    payload = payload.copy()
-    rows, cols = decoded.shape
-    if payload.shape[1] % cols:  # quantized: [scales][codes], 3 blocks of 256 values
-        scales = payload[:, :12].copy().view(np.float32)
-        per_block = (payload.shape[1] - 12) // 3
-        for r, b in zip(*np.nonzero(np.isnan(scales))):
-            payload[r, 12 + b * per_block:12 + (b + 1) * per_block] = 0
-    else:
-        per_value = payload.shape[1] // cols
-        for r, c in zip(*np.nonzero(np.isnan(decoded))):
-            payload[r, c * per_value:(c + 1) * per_value] = 0
-    return payload
-
-
-def _assert_same_bits(mine, ref):
+def _assert_same_bits(name, mine, ref):
+    codec = CODECS[name]()
     assert len(mine) == len(ref)
     for step, (a_step, b_step) in enumerate(zip(mine, ref)):
         assert len(a_step) == len(b_step)
         (pa, *fa), (pb, *fb) = a_step, b_step
         assert pa.shape == pb.shape and pa.dtype == pb.dtype == np.uint8
-        assert np.array_equal(_comparable(pa, fb[0]), _comparable(pb, fb[0])), f"step {step}: payload differs"
+        # NaN positions from the reference's decode: where the input was NaN, or its block's scale
+        assert np.array_equal(comparable_bytes(codec, pa, fb[0]), comparable_bytes(codec, pb, fb[0])), \
+            f"step {step}: payload differs"
         for what, a, b in zip(["decode", "decode_sum", "residual"], fa, fb):
-            assert a.shape == b.shape and a.dtype == b.dtype == np.float32, what
-            assert np.array_equal(np.isnan(a), np.isnan(b)), f"step {step}: {what} has NaN elsewhere"
-            ok = ~np.isnan(a)
-            differ = np.sum(a[ok].view(np.uint32) != b[ok].view(np.uint32))  # bits: -0 is not +0
-            assert differ == 0, f"step {step}: {differ} values of {what} differ"
+            assert a.dtype == b.dtype == np.float32, what
+            assert_same_floats(a, b, f"step {step}: {what}")
 
 
 class CountingKernels:
@@ -143,7 +127,7 @@ def no_grappler():
 def test_kernels_give_the_reference_bits_eagerly(name, ef, counted):
     ref = _run(name, ef, REFERENCE, traced=False)
     assert counted.calls == [], "the reference table never reaches the kernels"
-    _assert_same_bits(_run(name, ef, FUSED, traced=False), ref)
+    _assert_same_bits(name, _run(name, ef, FUSED, traced=False), ref)
     assert counted.calls, "the fused table ran the kernels"
 
 
@@ -154,15 +138,15 @@ def test_kernels_give_the_reference_bits_inside_tf_function(name, ef, counted, n
     assert counted.calls == []
     mine = _run(name, ef, FUSED, traced=True)
     assert counted.calls, "the traced step ran the kernels"
-    _assert_same_bits(mine, traced_ref)
-    _assert_same_bits(mine, _run(name, ef, REFERENCE, traced=False))
+    _assert_same_bits(name, mine, traced_ref)
+    _assert_same_bits(name, mine, _run(name, ef, REFERENCE, traced=False))
 
 
 @pytest.mark.parametrize("name", ["int8", "int4-stochastic"])
 def test_grappler_cannot_move_the_kernels_bits(name):
     """With Grappler at its defaults (what training runs), the traced kernels still give the
     eager reference's bits: the arithmetic is all inside the numpy_function."""
-    _assert_same_bits(_run(name, True, FUSED, traced=True), _run(name, True, REFERENCE, traced=False))
+    _assert_same_bits(name, _run(name, True, FUSED, traced=True), _run(name, True, REFERENCE, traced=False))
 
 
 @pytest.mark.parametrize("name", ["int8", "int4-stochastic", "fp16", "truncate24"])
