@@ -116,6 +116,73 @@ def test_a_peer_that_closes_its_channel_ends_the_others_wait_at_once():
     assert results[0] < 10.0, results[0]  # far below the 30 s timeout
 
 
+# A third rank in its own process, so that it can die by SIGKILL as a lost worker does; it takes
+# part in ROUNDS - 1 allgathers of one row each. Argument: the store's port, and the way it dies.
+DYING_RANK = """
+import datetime, os, signal, sys, time
+import torch, torch.distributed as dist
+from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
+port, how = int(sys.argv[1]), sys.argv[2]
+store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
+ch = PipelineChannel(store, 2, 3, address="127.0.0.1", timeout=30.0)
+x = torch.full((1, 64), 2.0)
+for _ in range(2):
+    ch.allgather_async(x, "ag").wait()
+if how == "after-serving-rank-0":  # its last round's transfers with rank 0 only, as if rank 1's were still queued
+    group, out = ch._tensors, torch.empty(1, 64)
+    for work in [group.recv([out], 0, 0), group.send([x], 0, 0)]:
+        work.wait()
+time.sleep(0.3)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("how", ["before-its-last-round", "after-serving-rank-0"])
+def test_a_killed_peer_ends_every_survivors_wait_within_seconds(how):
+    """3 ranks, the third SIGKILLed mid-run (Horovod elastic's lost worker). Rank 1 meets the loss
+    first, closes its channel and keeps the error, as an elastic reset does; rank 0 is then
+    waiting for rank 1 and must fail when rank 1 closes, not at the 30 s timeout.
+    before-its-last-round: rank 1 posts its last round after the death, and Gloo refuses the
+    transfers to the dead rank; its sends to rank 0 must still go out (they did not: 30 s).
+    after-serving-rank-0: rank 0 finishes the round rank 1 fails and waits on rank 1 in the next;
+    rank 1's failed handle must not keep the connections open (it did: 30 s)."""
+    import subprocess
+    import sys
+
+    from launcher import ROOT, rank_env
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    dying = subprocess.Popen([sys.executable, "-c", DYING_RANK, str(server.port), how], cwd=ROOT, env=rank_env())
+    stores = [server, dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))]
+    outcome = {}
+
+    def survivor(rank):
+        channel = PipelineChannel(stores[rank], rank, 3, address="127.0.0.1", timeout=30.0)
+        x = torch.full((1, 64), float(rank))
+        for round_ in range(4):
+            if rank == 1 and round_ == 2:
+                time.sleep(1.0)  # the dying rank is gone by now
+            started = time.monotonic()
+            try:
+                channel.allgather_async(x, f"ag{round_}").wait()
+            except PeerLostError as exc:
+                channel.close()
+                outcome[rank] = (round_, time.monotonic() - started, exc)  # the error stays referenced
+                return
+        outcome[rank] = (4, 0.0, None)
+
+    threads = [threading.Thread(target=survivor, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert dying.wait(30) == -9
+    assert not any(t.is_alive() for t in threads), "a survivor still waits after 60 s"
+    assert sorted(outcome) == [0, 1] and all(o[2] is not None for o in outcome.values()), outcome
+    assert outcome[1][0] == 2, outcome  # rank 1 meets the loss in its third round
+    assert outcome[0][1] < 10.0, outcome  # 1 s of rank 1's delay and a close, far below the 30 s timeout
+
+
 def test_closed_channel_refuses_collectives():
     def body(rank, ch):
         ch.close()

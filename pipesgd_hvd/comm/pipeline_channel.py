@@ -67,19 +67,62 @@ class _WorkHandle:
 
     def wait(self) -> Any:
         if not self._finished:
-            try:
-                for work in self._works:
-                    work.wait()
-            except RuntimeError as exc:  # Gloo: "Connection reset by peer", "Timed out waiting ..."
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                if "Timed out" in first and self._timeout is not None:  # the same words as every transport's timeout
+            failure = self._wait_works()
+            if failure is not None:
+                if "Timed out" in failure and self._timeout is not None:  # the same words as every transport's timeout
                     raise self._error(f"{self._what} on the pipeline channel did not complete within {self._timeout:g} s "
-                                      f"(PIPESGD_TIMEOUT): {TIMEOUT_CAUSES}") from exc
-                raise self._error(f"{self._what} failed on the pipeline channel ({first}): {TIMEOUT_CAUSES}") from exc
+                                      f"(PIPESGD_TIMEOUT): {TIMEOUT_CAUSES}")
+                raise self._error(f"{self._what} failed on the pipeline channel ({failure}): {TIMEOUT_CAUSES}")
             self._result = self._finish()
             self._finished = True
             self._works, self._keep = [], None
         return self._result
+
+    def _wait_works(self) -> Optional[str]:
+        """Waits for every transfer; on the first failure returns the first line of Gloo's message
+        and drops the transfers, having kept no reference to them or to Gloo's exception. Why:
+        a transfer holds its group's connections open, and the caller keeps the raised error (a
+        Horovod elastic reset does); while they stay open, a live peer's receive from this rank
+        waits until PIPESGD_TIMEOUT instead of failing at once when this rank closes the channel
+        (tests/test_pipeline_channel_local.py: the peer waited until this process ended, 30 s;
+        with the transfers dropped, 0.7 s)."""
+        failure: Optional[str] = None
+        try:
+            for work in self._works:
+                work.wait()
+        except RuntimeError as exc:  # Gloo: "Connection reset by peer", "Timed out waiting ..."
+            text = str(exc).strip()
+            failure = text.splitlines()[0] if text else type(exc).__name__
+        if failure is not None:
+            # Safe while transfers are pending: Gloo's pairs hold a posted buffer by a weak pointer
+            # that its destructor invalidates (gloo/common/memory.h), so a late transfer is dropped.
+            self._works, self._keep = [], None
+        return failure
+
+
+class _FailedPost:
+    """A transfer whose posting raised (Gloo refuses to post to a peer whose connection is already
+    closed): it fails at wait, where a posted transfer's failure would, and holds only the message."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self._message = str(exc)
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise RuntimeError(self._message)
+
+
+def _post(post: Callable[..., Any], *args: Any) -> Any:
+    """Posts one transfer of an exchange; a peer already gone must not stop the transfers to the
+    live peers from being posted: a live peer waits for them, and a rank that posted its receives
+    but not its sends left that peer blocked until PIPESGD_TIMEOUT (measured under Horovod
+    elastic: the other survivor of a lost worker waited 600 s)."""
+    try:
+        return post(*args)
+    except RuntimeError as exc:  # Gloo: "Connection closed by peer"
+        return _FailedPost(exc)
 
 
 def _gloo_group(store: Any, rank: int, size: int, address: str, timeout: Optional[float]) -> Any:
@@ -258,8 +301,8 @@ class PipelineChannel:
         that announcement behind any data it is still writing; when a rank's send starts first,
         its announcement waits for all of its data, so the two directions of an exchange take
         turns and Gloo's own alltoall (and Horovod's) reach about half of a plain TCP exchange."""
-        works = [group.recv([recv], peer, 0) for peer, _, recv in transfers]
-        return works + [group.send([send], peer, 0) for peer, send, _ in transfers]
+        works = [_post(group.recv, [recv], peer, 0) for peer, _, recv in transfers]
+        return works + [_post(group.send, [send], peer, 0) for peer, send, _ in transfers]
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         if self._closed:
