@@ -145,14 +145,16 @@ def _first(lines, pattern: str):
 
 def test_keras_killed_peer_under_gloo_is_reported_by_the_survivor_within_seconds():
     """SIGKILL of rank 1 mid model.fit (width 2, int8, Gloo): Horovod sees the broken connection and
-    fails the step's collective; model.fit raises on rank 0, which exits 1 (measured: 0.04 s)."""
+    fails the step's collective; model.fit raises on rank 0 (measured: 0.04 s) and the job fails."""
     status, lines = _run_timed("mp/keras_lost_peer.py", "kill", controller="gloo", env={}, timeout=120)
     output = "\n".join(line for _, line in lines)
     killed, _ = _first(lines, r"rank1 kill at step 15")
     raised, line = _first(lines, r"RAISED rank0 \w+Error at wall clock")
     assert "Horovod has been shut down" in line, line
     assert raised - killed < 5.0, (raised - killed, output[-3000:])
-    assert status != 0 and "Process 0 exit with status code 1" in output, output[-3000:]
+    # Not "Process 0 exit with status code 1": horovodrun ends the other ranks once it reaps the
+    # killed one, and which of the two it reports first is a race (CI saw no line for rank 0).
+    assert status != 0, output[-3000:]
 
 
 def test_keras_frozen_peer_under_mpi_ends_the_survivor_after_pipesgd_timeout():
