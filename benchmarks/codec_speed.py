@@ -108,11 +108,13 @@ def tensorflow_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str
             decode(encode(x))  # trace both (and create the residual variable)
             times: Dict[str, List[float]] = {"encode": [], "decode": [], "copy": []}
             for _ in range(repeats):
+                # No .numpy(): it copies (a whole copy for decode's float32), and eager TensorFlow
+                # returns a function's outputs computed, so the call alone is the codec's time.
                 got: Dict[str, object] = {}
                 times["copy"].append(seconds(lambda: copy_dst.copy_(x_torch)))
-                times["encode"].append(seconds(lambda: got.update(p=encode(x).numpy())))
-                payload = tf.constant(got["p"])
-                times["decode"].append(seconds(lambda: decode(payload).numpy()))
+                times["encode"].append(seconds(lambda: got.update(p=encode(x))))
+                payload = got["p"]
+                times["decode"].append(seconds(lambda: decode(payload)))
             out[name, label] = {k: statistics.median(v) for k, v in times.items()}
         log(f"TensorFlow {name}: done")
     return out
@@ -241,7 +243,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         "is the kernels' own speed."
         + (" `TensorFlow (tf.function)`: the same codecs traced by TensorFlow (one thread), through the "
            "same kernels inside `tf.numpy_function` (`pipesgd_hvd/frameworks/tf_kernels.py`); "
-           "`TensorFlow reference (tf.function)`: its unfused tensor-op composition (`fused=False`)."
+           "`TensorFlow reference (tf.function)`: its unfused tensor-op composition (`fused=False`). "
+           "Each TensorFlow call is timed to its return (eager TensorFlow returns computed outputs), "
+           "without `.numpy()`, which copies. What TensorFlow adds over PyTorch's fused row: the "
+           "`tf.numpy_function` call, and with error feedback the new residual assigned to its variable."
            if args.tensorflow else "") + "\n\n"
         + codec_table(by_mode)
         + f"\n\n### CPU of one compressed all-reduce\n\n`benchmarks/allreduce_cpu.py`: `compressed_allreduce` "
