@@ -511,7 +511,9 @@ comm/compute.
 Every configuration ran {args.rounds} rounds of {args.steps} timed steps (after one untimed step that
 refills the pipeline; flushed after), interleaved with the others; step times are medians of the slowest rank.
 
-- *Bound* = max(compute, that codec's all-reduce), both timed alone in the same launch.
+- *Bound* = max(compute, that codec's all-reduce), both timed alone in the same launch. A byte codec's
+  all-reduce is timed as the engine runs it: the gradient's fusion buckets one after another, each one's two
+  phases before the next one's.
 - *Engine-free loop*: the same width-2 schedule without pipesgd (compute step t, start its all-reduce, wait
   for step t-1's, on a comm thread for byte codecs as the engine does): what this machine allows; step / loop
   is the engine's own overhead.

@@ -8,8 +8,8 @@ it predicts:
 
 * the link (alpha, bandwidth, gamma) from ``fit_link`` on float32 all-reduces of three sizes
   timed alone and one float32 add of the gradient (gamma);
-* each codec's cost c from our compressed all-reduce timed alone, less the wire time the fitted
-  link gives it, per byte of the model's ``(N-1)/N M c`` term: all our all-reduce spends beyond
+* each codec's cost c from our compressed all-reduce timed alone (bucket by bucket of the fusion
+  plan, as the engine runs it), less the wire time the fitted link gives it, per byte of the model's ``(N-1)/N M c`` term: all our all-reduce spends beyond
   a ring on the compressed bytes (the codec work, and Horovod's alltoall and allgather being
   slower per byte than its all-reduce). One size: a two-size fit (``fit_codec``) drops the fixed
   cost per call, which is not small here, and the model has no term for it;
@@ -39,7 +39,7 @@ from pipesgd_hvd.timing import (CODECS as MODEL_CODECS, CodecParams, LinkParams,
 
 from pipesgd_hvd.fusion import DEFAULT_FUSION_THRESHOLD
 
-from .throughput_worker import AUTO, CODECS, TRAINING
+from .throughput_worker import AUTO, CODECS, TRAINING, fusion_buckets
 
 LABELS = {"horovod": "Horovod DistributedOptimizer (sync)", "w1": "pipesgd width 1",
           "w1-layer": "pipesgd width 1, one bucket per layer", "w2": "pipesgd width 2",
@@ -184,19 +184,12 @@ def width1_buckets(layers: int, grad_bytes: int) -> Dict[str, List[float]]:
     """Each width-1 configuration's buckets as shares of the gradient, in launch order, for the
     benchmark's model (``layers`` x Linear(dim, dim), float32): Horovod one per layer; pipesgd's
     from its own fusion plan, default threshold (``w1``) and one layer's bytes (``w1-layer``)."""
-    from pipesgd_hvd.fusion import TensorSpec, plan_buckets
-
     per_layer = grad_bytes // 4 // layers                      # dim^2 + dim floats
     dim = int((-1 + (1 + 4 * per_layer) ** 0.5) / 2)
-    specs = [spec for i in range(layers) for spec in (TensorSpec(f"{i}.weight", (dim, dim), "float32"),
-                                                       TensorSpec(f"{i}.bias", (dim,), "float32"))]
-    order = list(range(len(specs)))[::-1]
-
-    total = sum(spec.nbytes for spec in specs)
 
     def shares(threshold: int) -> List[float]:
-        layout = plan_buckets(specs, order, threshold)
-        return [sum(specs[mb.index].nbytes for mb in b.members) / total for b in layout.buckets]
+        numels = fusion_buckets(layers, dim, threshold)
+        return [numel / sum(numels) for numel in numels]
 
     # w1-layer: the fusion_threshold_mb the worker gives it, converted as the options do
     layer_mb = (dim * dim + dim) * 4 / 2**20
