@@ -1,5 +1,6 @@
 """The pipelined optimizer's per-step policy for frameworks whose step runs in Python (PyTorch),
-written once and framework-free: a framework plugs in through :class:`TrainingAdapter`.
+written once and framework-free: a framework plugs in through
+:class:`~pipesgd_hvd.core.adapter.TrainingAdapter`.
 
 Per step::
 
@@ -22,64 +23,17 @@ import copy
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
 
 from ..comm.base import Communicator, exit_if_stuck
 from ..compression.codecs import Codec
 from ..config import PipelineConfig
 from ..engine import AppliedStep, PipelineEngine
-from ..fusion import TensorSpec
-from ..tensor_ops import MutableTensorOps, Tensor
+from ..tensor_ops import Tensor
 from . import checkpoint
+from .adapter import TrainingAdapter
 from .lifecycle import PipelineLifecycle, call_at_exit
 from .options import PipelineOptions
-
-
-class TrainingAdapter(Protocol):
-    """What the core needs from a framework whose training step runs in Python. Tensors are
-    addressed by their index in the core's tensor list (the order of ``tensor_specs()``)."""
-
-    ops: MutableTensorOps
-
-    def tensor_specs(self) -> List[TensorSpec]: ...
-    def device_anchors(self) -> Dict[str, Tensor]:
-        """A tensor per device name, next to which that device's fusion buffers go."""
-    def trainable(self) -> List[int]:
-        """Indices of the tensors that take part in this step (require grad now)."""
-    def has_local_gradient(self, index: int) -> bool: ...
-    def local_gradient(self, index: int) -> Tensor:
-        """This rank's gradient of the tensor (it has one), checked and dense."""
-    def write_gradients(self, grads: Dict[int, Tensor], scale: Any) -> None:
-        """Put the averaged gradients (times ``scale``: a float, 1.0 for none, or a 0-d tensor)
-        where the update reads them; tensors missing from ``grads`` get none."""
-    def zero_gradients(self) -> None: ...
-    def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Run the wrapped optimizer's update on the written gradients."""
-    def loss_scale(self) -> Any:
-        """The AMP loss scale now (None without one): a float, or a 0-d tensor on the device
-        where the framework keeps it (the ratio of two scales is then computed there, no sync)."""
-    def gradients_finite(self) -> bool: ...
-    def gradients_all_zero(self) -> bool:
-        """Every present gradient is zero (how Horovod's broadcast_optimizer_state creates state)."""
-    def optimizer_has_state(self) -> bool:
-        """The wrapped optimizer holds per-tensor state (momentum buffers, moments)."""
-    def weights(self) -> List[Tensor]:
-        """The tensors themselves (weight prediction writes them, inside ``weights_guard()``)."""
-    def weights_guard(self) -> ContextManager[Any]: ...
-    def replica_fingerprints(self) -> List[Tuple[str, Any]]:
-        """(name, host array) per tensor for the replica check: arrays that are equal iff the
-        tensors are bitwise equal (the values, or a fingerprint computed on the device)."""
-    def optimizer_state_dict(self) -> Dict[str, Any]: ...
-    def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None: ...
-    def watch_gradients(self, ready: Callable[[int], None]) -> None:
-        """Make every trainable tensor report its gradient, ``ready(index)``, as soon as it is
-        produced (called again after each step: tensors unfrozen since then start reporting)."""
-    def unwatch_gradients(self) -> None:
-        """Stop reporting (the optimizer is gone)."""
-    def check_adam_support(self) -> None:
-        """Raises a ValueError naming the fix unless the wrapped optimizer is Adam/AdamW."""
-    def adam_state(self, index: int) -> Any:
-        """Its :class:`~pipesgd_hvd.staleness.AdamState` for tensor ``index`` (None before an update)."""
 
 
 def _dropped(held: List[Any], adapter: TrainingAdapter) -> None:
