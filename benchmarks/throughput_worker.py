@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -41,6 +42,7 @@ LOOPS = tuple(f"loop-{c}" for c in ("none", *CODECS))
 # "auto": width="auto", compression="auto", timed in the configuration it chose before the rounds
 # (its decision is part of the result); compared with the fixed rows it could have chosen.
 AUTO = "auto"
+IDLE_S = 0.25  # the idle segment timed beside the collectives
 SEGMENTS = ("compute", *TRAINING, AUTO, *LOOPS)
 
 
@@ -66,26 +68,17 @@ def segments_for(configs: Sequence[str], quick: bool = False) -> Tuple[str, ...]
 
 class ThreadClock:
     """CPU seconds of this process's main thread and of all its other threads (Horovod's
-    background thread, Gloo's, the pipeline's comm thread), from /proc: where a step's CPU goes."""
-
-    def __init__(self) -> None:
-        self._main = str(threading.main_thread().native_id)
-        self._tick = os.sysconf("SC_CLK_TCK")
+    background thread, Gloo's, the pipeline's comm thread): where a step's CPU goes. The main
+    thread's from ``time.thread_time()``, the whole process's from ``getrusage`` (threads that
+    ended included), both to the microsecond: /proc's per-thread counters tick every 10 ms, as
+    coarse as the collectives timed here. Read it from the main thread only."""
 
     def read(self) -> Tuple[float, float]:
-        main = other = 0.0
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except FileNotFoundError:  # the thread ended meanwhile
-                continue
-            cpu = (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
-            if tid == self._main:
-                main += cpu
-            else:
-                other += cpu
-        return main, other
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("ThreadClock.read() runs on the main thread: it reads that thread's own clock")
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        main = time.thread_time()
+        return main, usage.ru_utime + usage.ru_stime - main
 
 
 def machine_busy() -> Tuple[float, float]:
@@ -289,6 +282,9 @@ class RankBench:
         return {"comm-none": float32(self.flat.clone(), "ar"),
                 "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
                 "ar-small": float32(self.torch.zeros(256), "ars"),
+                # nothing: what the rank's threads burn anyway over a collective's time (Horovod's
+                # background loop wakes every cycle), taken off a collective's CPU to judge its own
+                "idle": lambda: time.sleep(IDLE_S),
                 "ag-int8": lambda: self.channel.allgather_async(rows[:1], uid("ag")).wait(),
                 "a2a-int8": lambda: self.channel.alltoall_async(rows, uid("a2a")).wait(),
                 **{f"comm-{c}": compressed(c) for c in self.timed_codecs}}

@@ -13,8 +13,10 @@ GRAD = 16_000_000          # bytes of float32 gradient
 ROW = GRAD // 4 // 2       # an int8-sized chunk for 2 ranks (scales left out: round numbers)
 
 
-def made_up(step: dict, comm: dict, comm_cpu: dict, compute: float = 0.2, auto: dict = None) -> Launch:
-    """A 2-rank launch: rank 1 is always the slower by 1 ms, CPU numbers equal on both ranks."""
+def made_up(step: dict, comm: dict, comm_cpu: dict, compute: float = 0.2, auto: dict = None,
+            idle_cpu: float = None) -> Launch:
+    """A 2-rank launch: rank 1 is always the slower by 1 ms, CPU numbers equal on both ranks.
+    ``idle_cpu``: the threads' CPU over a 0.25 s idle segment (None: a record without one)."""
     med = {"compute": compute, "forward": 0.07, "backward": 0.12, "update": 0.01, "add": GRAD * 0.2e-9,
            "ar-small": 0.002, "comm-none-quarter": comm["none"] / 4 + 0.0015, "a2a-int8": 0.1, "ag-int8": 0.1,
            "tcp-exchange": 0.05, **step, **{f"comm-{c}": t for c, t in comm.items()},
@@ -25,6 +27,8 @@ def made_up(step: dict, comm: dict, comm_cpu: dict, compute: float = 0.2, auto: 
         med[f"cpu-other/{key}"] = 0.02
         med[f"cpu-machine/{key}"] = 2 * med[key]
     med.update({f"cpu/comm-{c}": x for c, x in comm_cpu.items()})
+    if idle_cpu is not None:
+        med.update({"idle": 0.25, "cpu/idle": idle_cpu})
 
     def rank(extra: float) -> dict:
         samples = {k: [v + (extra if not k.startswith("cpu") else 0.0)] * 3 for k, v in med.items()}
@@ -136,3 +140,21 @@ def test_interference_bills_only_the_cpu_beyond_the_threads_background():
     model = fit_model(la)
     assert model.step["w2-int8"] == pytest.approx(0.201 + x / la.core_share())  # compute-bound: compute + X
     assert extra_cpu(made_up(STEP, COMM, dict(CPU, none=0.01)), "none") == 0.0  # under the background: nothing
+
+
+def test_cpu_target_bills_the_all_reduce_its_own_cpu():
+    def t16(la: Launch):
+        found = {t.name: t for t in targets([la], {0: fit_model(la)})}
+        return next(t for name, t in found.items()
+                    if name.endswith(" truncate16 all-reduce's CPU on a rank < 20% of compute"))
+
+    # truncate16: 90 ms on the rank's threads during its 551 ms, threads that burn 0.1 core idle
+    # (25.1 ms per 251 ms idle segment): 90 - 55 = 35 ms, under 20% of compute (40 ms): met,
+    # where the 90 ms whole would not be
+    met = t16(made_up(STEP, COMM, dict(CPU, truncate16=0.09), idle_cpu=0.0251))
+    assert met.met and met.measured.startswith("35 ms = 17% of compute 201 ms (90 ms on the rank's threads, less 55")
+    # threads that burn nothing idle: all 90 ms are the all-reduce's (the idle rate is what counts,
+    # not the 0.1 core they burn during compute alone)
+    assert not t16(made_up(STEP, COMM, dict(CPU, truncate16=0.09), idle_cpu=0.0)).met
+    # a record from before the idle segment takes the compute-alone rate (20 ms per 201 ms)
+    assert t16(made_up(STEP, COMM, dict(CPU, truncate16=0.09))).measured.startswith("35 ms")
