@@ -302,7 +302,9 @@ class RankBench:
         self.record(f"cpu/{key}", sum(self.clock.read()) - cpu0)
 
     def codec_round_trips(self) -> None:
-        """Each codec's cost on one rank, no communication: encode + decode of the gradient."""
+        """Each codec's cost on one rank, no communication: encode + decode of the gradient, after
+        one untimed round trip (the first one's fresh outputs fault their pages in: it took 20-300 ms
+        where the next ones took 5-13)."""
         from pipesgd_hvd.compression import resolve_compression
         from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
 
@@ -310,9 +312,13 @@ class RankBench:
             codec = resolve_compression(c)
             rows = self.torch.zeros(self.hvd.size(), codec.padded_cols(-(-self.numel // self.hvd.size())))
             rows.view(-1)[: self.numel] = self.flat
-            for _ in range(self.args.comm_reps + 1):
-                self.record(f"codec-{c}", self.timed(
-                    lambda: codec.decode(TORCH_OPS, *codec.encode(TORCH_OPS, rows, key="k", seed=0))))
+
+            def round_trip() -> None:
+                codec.decode(TORCH_OPS, *codec.encode(TORCH_OPS, rows, key="k", seed=0))
+
+            round_trip()
+            for _ in range(max(3, self.args.comm_reps)):
+                self.record(f"codec-{c}", self.timed(round_trip))
 
     def decide_auto(self) -> Dict[str, Any]:
         """Runs the auto optimizer until it has decided (untimed); returns what it measured and chose."""
