@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .throughput_analysis import (LABELS, Launch, Model, Target, auto_target, extra_cpu, fit_model, phase_rates,
-                                  speedup, targets, width1_buckets)
+from .throughput_analysis import (LABELS, Launch, Model, Target, auto_target, background_cpu, fit_model,
+                                  phase_rates, speedup, targets, width1_buckets)
 from .throughput_plan import (AIMS, FIRST_RATE, CommFit, fit_comm, off_aim, plan_rate, rate_bps, second_rate,
                               select_configs)
 from .throughput_worker import AUTO, CODECS, MARKER, TRAINING
@@ -194,12 +194,12 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         key = "w2" if c == "none" else f"w2-{c}"
         if key not in la.configs:
             continue
-        codec_rows.append([c, ms(la.comm(c)), f"{ms(la.comm_cpu(c))} / {ms(extra_cpu(la, c))}",
+        codec_rows.append([c, ms(la.comm(c)), ms(la.comm_cpu(c)), ms(background_cpu(la, la.comm(c))),
                            ms(la.median(f"codec-{c}")) if c != "none" else "-",
                            f"{model.codecs[c].cost_per_byte * 1e9:.2f}", ms(model.comm[c]),
                            f"{model.interference[c]:.2f}", f"{la.raw['wire_ratio'][key]:.3f}"])
-    codec_head = ["codec", "all-reduce alone ms", "its CPU ms: all threads of a rank / its own (less what they burn "
-                  "idle)", "encode + decode of the gradient, "
+    codec_head = ["codec", "all-reduce alone ms", "its CPU ms (all threads of a rank)", "the threads' idle CPU over "
+                  "as long, ms", "encode + decode of the gradient, "
                   "one rank, ms", "cost beyond the wire ns/B", "model all-reduce ms", "interference f",
                   "wire bytes vs fp32"]
     link = model.link
@@ -327,7 +327,8 @@ def findings(launches: Sequence[Launch]) -> str:
                           if "w1-layer" in la.configs else "") + f" (Horovod hid {la.horovod_hidden():.0%})"
                        for la in two if "w1" in la.configs)
     codecs = [c for c in CODECS if all(c in la.codecs for la in two)]
-    cpu = ", ".join(f"{c} {ms(statistics.median(extra_cpu(la, c) for la in two))}" for c in ("none", *codecs))
+    cpu = ", ".join(f"{c} {ms(statistics.median(la.comm_cpu(c) for la in two))}" for c in ("none", *codecs))
+    idle = [background_cpu(la, 1.0) for la in two]
     busy = [la.machine_cores(k) for la in two for k in la.configs
             if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
     rates = "; ".join(f"{la.rate}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in phase_rates(la).items()) for la in two)
@@ -342,9 +343,10 @@ def findings(launches: Sequence[Launch]) -> str:
         f"in {len(plan)} buckets (MB: {', '.join(f'{x * two[0].grad_bytes / 1e6:.1f}' for x in plan)}, in launch "
         "order), each started once its gradients are in; the other width-1 row caps buckets at one layer."
         if width1 else "- **Width 1 against Horovod**: not run (`--configs`).",
-        f"- **One core per rank.** An all-reduce alone cost a rank this much CPU of its own (beyond what its "
-        f"threads burn idle; median over the 2-host launches, ms): {cpu}. Compute owns the core, so that CPU is "
-        "taken from it: a pipelined step cannot beat compute + that CPU, whatever the link"
+        f"- **One core per rank.** An all-reduce alone cost a rank this much CPU, all its threads (median over the "
+        f"2-host launches, ms): {cpu}; with nothing to do the threads burned {min(idle, default=0) * 1e3:.0f}-"
+        f"{max(idle, default=0) * 1e3:.0f} ms per second (Horovod's background loop). Compute owns the core, so that "
+        "CPU is taken from it: a pipelined step cannot beat compute + that CPU, whatever the link"
         + (f"; the machine was {min(busy):.1f}-{max(busy):.1f} cores busy in the pipelined rows that missed their "
            "bound." if busy else "."),
         f"- **The compressed all-reduce's wire.** Sent per rank, Mbit/s: {rates}. "
@@ -527,8 +529,8 @@ refills the pipeline; flushed after), interleaved with the others; step times ar
 - *CPU per step*, read around each segment: the compute thread (`time.thread_time`) and all other threads of
   a rank (`getrusage` less the compute thread: Horovod's background thread and Gloo's, the pipeline's comm
   thread, which runs the codecs), and how many of the machine's cores were busy (`/proc/stat`; 2.0 =
-  CPU-bound). An all-reduce's own CPU, which its target judges: the rank's threads' CPU while it ran, less
-  what they burn idle over as long (an idle 0.25 s timed beside the collectives).
+  CPU-bound). What the rank's threads burn with nothing to do (Horovod's background loop) comes from an idle
+  0.25 s timed beside the collectives: the model's interference and an all-reduce's "own" CPU leave it out.
 - *pipesgd auto*: `width="auto", compression="auto"` (PyTorch; `pipesgd_hvd/auto.py`), run before the
   rounds until it decides (`auto_measure_steps=5`, no re-check), then timed like the others in the
   configuration it chose. Its model column is the chosen configuration's. Its target: within 10% of the
