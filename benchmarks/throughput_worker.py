@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
-from pipesgd_hvd.fusion import DEFAULT_FUSION_THRESHOLD
+from pipesgd_hvd.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
 MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
@@ -50,8 +50,6 @@ def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
     """Values per bucket, in launch order, of pipesgd's fusion plan (``pipesgd_hvd.fusion``) for
     the benchmark's model, ``layers`` x Linear(dim, dim) in float32, whose gradients are ready
     last layer first."""
-    from pipesgd_hvd.fusion import TensorSpec, plan_buckets
-
     specs = [spec for i in range(layers) for spec in (TensorSpec(f"{i}.weight", (dim, dim), "float32"),
                                                        TensorSpec(f"{i}.bias", (dim,), "float32"))]
     layout = plan_buckets(specs, list(range(len(specs)))[::-1], threshold)
@@ -282,8 +280,8 @@ class RankBench:
         return {"comm-none": float32(self.flat.clone(), "ar"),
                 "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
                 "ar-small": float32(self.torch.zeros(256), "ars"),
-                # nothing: what the rank's threads burn anyway over a collective's time (Horovod's
-                # background loop wakes every cycle), taken off a collective's CPU to judge its own
+                # nothing: what the rank's threads burn with nothing to do (Horovod's background
+                # loop wakes every cycle); the model leaves it out of a collective's CPU
                 "idle": lambda: time.sleep(IDLE_S),
                 "ag-int8": lambda: self.channel.allgather_async(rows[:1], uid("ag")).wait(),
                 "a2a-int8": lambda: self.channel.alltoall_async(rows, uid("a2a")).wait(),
