@@ -22,7 +22,7 @@ import torch
 
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
-from pipesgd_hvd.compression.allreduce import compressed_allreduce
+from pipesgd_hvd.compression.allreduce import compressed_allreduce, padded_numel
 from pipesgd_hvd.frameworks.torch_ops import TorchOps
 
 CODEC_METHODS = ("encode", "encode_ef", "decode", "decode_sum")
@@ -86,18 +86,25 @@ class _TimedComm(_Timed):
         return value
 
 
-def profile(codec_name: str, ranks: int, numel: int, repeats: int, fused: bool,
+def path_label(fused: bool, room: bool) -> str:
+    return ("fused" if fused else "reference") + (", engine's buffer" if room else "")
+
+
+def profile(codec_name: str, ranks: int, numel: int, repeats: int, fused: bool, room: bool = False,
             progress: Callable[[str], None] = lambda _: None) -> Dict[str, float]:
     """Median CPU seconds per phase of rank 0 over ``repeats`` all-reduces (after one warm-up),
     plus ``total`` (the whole call), ``rest`` (total minus every named phase) and ``copy`` (a
-    plain copy of the bucket, timed by rank 0 right before each all-reduce; not in the total)."""
+    plain copy of the bucket, timed by rank 0 right before each all-reduce; not in the total).
+    ``room``: each rank's bucket sits in a buffer of ``padded_numel`` values, zero past it, as the
+    engine holds it; else it is bare and the all-reduce copies it into a padded one."""
     ops = TorchOps(fused=fused)
     clock = PhaseClock()
     world = LocalWorld(ranks, ops, timeout=600)
     timed_ops = _Timed(ops, clock, lambda attr: f"ops.{attr}")
     codecs = [_Timed(resolve_compression(codec_name), clock,
                      lambda attr: f"codec.{attr}" if attr in CODEC_METHODS else None) for _ in range(ranks)]
-    inputs = [torch.randn(numel) for _ in range(ranks)]
+    length = padded_numel(resolve_compression(codec_name), numel, ranks) if room else numel
+    inputs = [torch.cat([torch.randn(numel), torch.zeros(length - numel)]) for _ in range(ranks)]
     copy_dst = torch.empty(numel)
     samples: List[Dict[str, float]] = []
 
@@ -106,15 +113,16 @@ def profile(codec_name: str, ranks: int, numel: int, repeats: int, fused: bool,
         for step in range(repeats + 1):
             start = time.thread_time()
             if rank == 0:
-                copy_dst.copy_(inputs[0])
+                copy_dst.copy_(inputs[0][:numel])
             copied = time.thread_time() - start
             clock.totals().clear()
             start = time.thread_time()
-            compressed_allreduce(timed_ops, comm, codecs[rank], inputs[rank], name=f"s{step}", key="b0", seed=step)
+            compressed_allreduce(timed_ops, comm, codecs[rank], inputs[rank], name=f"s{step}", key="b0", seed=step,
+                                 numel=numel)
             spent = dict(clock.totals(), total=time.thread_time() - start)
             if rank == 0 and step > 0:
                 samples.append(dict(spent, copy=copied))
-                progress(f"{codec_name} {'fused' if fused else 'reference'} {ranks} rank(s): {step}/{repeats}")
+                progress(f"{codec_name} {path_label(fused, room)} {ranks} rank(s): {step}/{repeats}")
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
     for t in threads:
@@ -140,10 +148,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     numel = int(args.mb * 1e6) // 4
     for name in args.codecs:
         for ranks in args.ranks:
-            for fused in (False, True):
-                result = profile(name, ranks, numel, args.repeats, fused)
+            for fused, room in ((False, False), (True, False), (True, True)):
+                result = profile(name, ranks, numel, args.repeats, fused, room)
                 parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(result.items(), key=lambda kv: -kv[1]))
-                print(f"{name} {ranks} rank(s) {'fused' if fused else 'reference'} (ms CPU): {parts}", flush=True)
+                print(f"{name} {ranks} rank(s) {path_label(fused, room)} (ms CPU): {parts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.allreduce_cpu import profile
+from benchmarks.allreduce_cpu import path_label, profile
 from benchmarks.throughput import wait_for_quiet
 from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
 from pipesgd_hvd.frameworks.torch_ops import TorchOps
@@ -180,13 +180,14 @@ def allreduce_rows(numel: int, ranks: List[int], repeats: int, max_wait: float) 
     rows = []
     for name, label in ALLREDUCE_CODECS.items():
         for size in ranks:
-            for path in PATHS:
+            for fused, room in ((True, False), (True, True), (False, False)):
                 quiet(max_wait)
-                spent = profile(name, size, numel, repeats, fused=path == "fused", progress=log)
+                spent = profile(name, size, numel, repeats, fused=fused, room=room, progress=log)
                 copy = spent["copy"]
                 codec = sum(v for k, v in spent.items() if k.startswith("codec."))
                 table_ops = sum(v for k, v in spent.items() if k.startswith("ops."))
-                rows.append([label, str(size), path, f"{spent['total'] * 1e3:.1f}", f"{spent['total'] / copy:.1f}",
+                rows.append([label, str(size), path_label(fused, room), f"{spent['total'] * 1e3:.1f}",
+                             f"{spent['total'] / copy:.1f}",
                              f"{codec * 1e3:.1f}", f"{spent.get('collectives', 0.0) * 1e3:.1f}",
                              f"{table_ops * 1e3:.1f}", f"{spent['rest'] * 1e3:.1f}",
                              f"{spent['total'] / codec:.2f}"])
@@ -255,7 +256,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         "for the peer is free), median of the same runs, in ms. `codec`: encode (with error feedback), "
         "decode+sum, re-encode, decode. `collectives`: LocalWorld's alltoall and allgather (their "
         "concatenations). `table ops`: the table calls `compressed_allreduce` makes itself (the "
-        "padding `concat`). `rest`: everything else in the call (slices, the scale multiply where the "
+        "padding `concat` of a bare bucket; `fused, engine's buffer`: the bucket sits in a buffer with "
+        "the room its rows take, zero past it, as the engine's fusion buffers do, and is encoded where "
+        "it lies). `rest`: everything else in the call (slices, the scale multiply where the "
         "codec does not fuse it). \"x copies\": the total over a plain copy of the bucket.\n\n"
         + table(["codec", "ranks", "path", "total", "x copies", "codec", "collectives", "table ops", "rest",
                  "total / codec"], breakdown))

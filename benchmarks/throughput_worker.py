@@ -127,6 +127,7 @@ class RankBench:
         self.clock = ThreadClock()
         self.samples: Dict[str, List[float]] = {}
         self._calls = 0
+        self._bucket_buffers: Dict[str, List[Any]] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-comm")
 
     # ------------------------------------------------------------------------------ plumbing
@@ -170,9 +171,10 @@ class RankBench:
         all-reduces a bit per entry every cycle, op or not. Measured on 2 emulated hosts at
         142mbit, compute alone, two launches each: after 3000 fresh names that thread took 26-71
         ms CPU per step and a step 212-242 ms, against 11-27 ms and 170-204 ms with none
-        (HOROVOD_CACHE_CAPACITY=0: 21-31 ms either way). The benchmark's own barriers and timings
-        grew Horovod's background over a launch's rounds. Reusing a name is safe: each op is
-        waited for before the next one of that name."""
+        (HOROVOD_CACHE_CAPACITY=0: 21-31 ms either way). With fresh names for its barriers and
+        timings, the rank's idle background grew over a launch's rounds (21, 30, 48 ms per 0.25 s
+        in one); with names reused, the next full run's launches showed no trend (23-49 ms).
+        Reusing a name is safe: each op is waited for before the next one of that name."""
         return f"bench.{tag}"
 
     def progress(self, line: str) -> None:
@@ -248,29 +250,44 @@ class RankBench:
         self.barrier()
 
     # --------------------------------------------------------------------------- collectives
-    def compressed(self, codec: str, values: Any, name: str) -> None:
-        """Our compressed all-reduce of the gradient ``values`` as the engine runs it: bucket by
-        bucket of the fusion plan, each one's phases before the next one's. Timed as one call on
-        the whole gradient it missed what the buckets change: a fixed cost per bucket, and on the
-        shaped links each transfer's burst (at 130mbit the pipelined fp16 step was 546 ms against
-        647 ms for the one-call all-reduce)."""
+    def compressed(self, codec: str, name: str) -> None:
+        """Our compressed all-reduce of the gradient as the engine runs it: bucket by bucket of the
+        fusion plan, each one's phases before the next one's, each bucket in a buffer with the
+        room the engine gives it (no padding copy). Timed as one call on the whole gradient it
+        missed what the buckets change: a fixed cost per bucket, and on the shaped links each
+        transfer's burst (at 130mbit the pipelined fp16 step was 546 ms against 647 ms for the
+        one-call all-reduce)."""
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
         from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
 
-        offset = 0
-        for i, numel in enumerate(self.buckets):
-            compressed_allreduce(TORCH_OPS, self.channel, self.codecs[codec], values[offset: offset + numel],
+        for i, (numel, buffer) in enumerate(zip(self.buckets, self.bucket_buffers(codec))):
+            compressed_allreduce(TORCH_OPS, self.channel, self.codecs[codec], buffer, numel=numel,
                                  name=f"{name}.b{i}", key=f"{name.split('.')[1]}/b{i}", seed=0)
-            offset += numel
+
+    def bucket_buffers(self, codec: str) -> List[Any]:
+        """The gradient's buckets for ``codec``, as the engine holds them: each in a buffer of
+        ``padded_numel`` values, zero past the bucket's (built once; the reductions only read them)."""
+        from pipesgd_hvd.compression.allreduce import padded_numel
+
+        if codec not in self._bucket_buffers:
+            buffers, offset = [], 0
+            for numel in self.buckets:
+                buffer = self.torch.zeros(padded_numel(self.codecs[codec], numel, self.hvd.size()))
+                buffer[:numel] = self.flat[offset: offset + numel]
+                buffers.append(buffer)
+                offset += numel
+            self._bucket_buffers[codec] = buffers
+        return self._bucket_buffers[codec]
 
     def start(self, codec: str, values: Any) -> Callable[[], Any]:
-        """Starts one all-reduce the way the engine does; returns its wait."""
+        """Starts one all-reduce the way the engine does; returns its wait. ``values``: the float32
+        all-reduce's buffer (a byte codec reduces the gradient's buckets, ``bucket_buffers``)."""
         from pipesgd_hvd.comm.base import ReduceOp
 
         if codec == "none":
             return self.channel.allreduce_async_(values, self.uid("loop"), ReduceOp.AVERAGE).wait
         name = self.uid(codec)
-        return self.pool.submit(self.compressed, codec, values, name).result
+        return self.pool.submit(self.compressed, codec, name).result
 
     def collectives(self) -> Dict[str, Callable[[], Any]]:
         """The collectives timed alone: float32 all-reduces of three sizes (through the
@@ -288,7 +305,7 @@ class RankBench:
             return lambda: comm.allreduce_async_(values, self.horovod_name(tag), ReduceOp.AVERAGE).wait()
 
         def compressed(codec: str) -> Callable[[], Any]:
-            return lambda: self.compressed(codec, self.flat, uid(codec))
+            return lambda: self.compressed(codec, uid(codec))
 
         return {"comm-none": float32(self.flat.clone(), "ar"),
                 "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
@@ -380,7 +397,7 @@ class RankBench:
         if not args.quick:
             self.codec_round_trips()
         if not args.quick and "int8" in self.timed_codecs:
-            profile = profile_int8(hvd, lambda: self.compressed("int8", self.flat, self.uid("int8")))
+            profile = profile_int8(hvd, lambda: self.compressed("int8", self.uid("int8")))
         self.channel.close()
         mine = {"samples": self.samples, "our_cpu_s": our1 - our0, "machine_busy_s": busy1[0] - busy0[0],
                 "machine_total_s": busy1[1] - busy0[1]}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .comm.base import Communicator, ReduceOp
-from .compression.allreduce import Reduction, reduce_bucket
+from .compression.allreduce import Reduction, padded_numel, reduce_bucket
 from .compression.codecs import Codec, NoneCodec
 from .config import PipelineConfig, WireStats, integer, settings_entries
 from .consistency import check_pipeline_agrees, check_ranks_agree
@@ -165,7 +165,7 @@ class PipelineEngine:
         slot = self._step % self.config.width
         buffers = self._buffers.get((layout.key, slot))
         if buffers is None:
-            buffers = [self.ops.empty((b.numel,), b.dtype, like=self._like(b)) for b in layout.buckets]
+            buffers = [self._new_buffer(b) for b in layout.buckets]
             self._buffers[(layout.key, slot)] = buffers
         self._current = _Step(self._step, layout, buffers, [0] * len(layout.buckets),
                               checked=layout.key in self._checked_sets, reductions=[None] * len(layout.buckets))
@@ -317,6 +317,19 @@ class PipelineEngine:
     def _like(self, bucket: Bucket) -> Any:
         return self._anchors.get(bucket.device)
 
+    def _new_buffer(self, bucket: Bucket) -> Tensor:
+        """A bucket's fusion buffer. A byte codec's float32 bucket gets the room its compressed
+        all-reduce's rows take, zero past the gradients and never written there, so the bucket is
+        encoded where it lies; without the room the all-reduce copies it into a padded one on
+        every step, a whole pass over the gradient on the comm thread (compression/allreduce.py)."""
+        length = bucket.numel
+        if not self.codec.summable and bucket.dtype == "float32":
+            length = padded_numel(self.codec, bucket.numel, self.comm.size)
+        buffer = self.ops.empty((length,), bucket.dtype, like=self._like(bucket))
+        if length > bucket.numel:
+            self.ops.fill_(buffer, bucket.numel, length - bucket.numel, 0.0)
+        return buffer
+
     # ------------------------------------------------------------------------------ launching
     def _launch_ready(self, cur: _Step, force: bool) -> None:
         if not cur.checked:
@@ -360,7 +373,7 @@ class PipelineEngine:
                     ops.wait_marker(marker)
                     ops.record_use(flat)
                     out, sent = reduce_bucket(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
-                                              prescale=prescale, postscale=postscale).wait()
+                                              prescale=prescale, postscale=postscale, numel=bucket.numel).wait()
                     return out, sent, ops.ready_marker(out)
             except BaseException:
                 abort.set()  # before the main thread even sees it: the next queued job must not start

@@ -6,7 +6,8 @@ from allreduce_reference import decoded_sum_reference
 from pipesgd_hvd.comm.base import ReduceOp
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
-from pipesgd_hvd.compression.allreduce import allreduce_wire_bytes, compressed_allreduce
+from pipesgd_hvd.compression.allreduce import allreduce_wire_bytes, compressed_allreduce, padded_numel, reduce_bucket
+from pipesgd_hvd.schedule import Seed
 from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
 from threads import run_threads
 
@@ -35,3 +36,56 @@ def test_wire_bytes_with_scales(name, limit):
     results = run_threads(world, lambda rank, comm: compressed_allreduce(
         NUMPY_OPS, comm, resolve_compression(name), x.copy(), name="t", key="b", seed=0))
     assert results[0][1] / allreduce_wire_bytes(n, "float32", 2) <= limit
+
+
+class _CountingOps(type(NUMPY_OPS)):
+    """The numpy table, counting the values ``concat`` copies (the padding copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.concatenated = 0
+
+    def concat(self, xs, axis=0):
+        self.concatenated += sum(x.size for x in xs)
+        return super().concat(xs, axis)
+
+
+@pytest.mark.parametrize("size,n", [(2, 1001), (3, 1001), (5, 70001)])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "truncate16", "int8", "int4"])
+def test_a_buffer_with_room_is_reduced_in_place_with_the_same_bits(name, size, n):
+    """The engine's buffers hold a bucket with the room its rows take, zero past it: reduced
+    there, without the padding copy, each step (error feedback carried, prescale too) gives the
+    bits of the same bucket handed in bare, which is copied into a padded one."""
+    rng = np.random.default_rng(size * 7 + n)
+    steps = [[rng.standard_normal(n).astype(np.float32) * (r + 1) for r in range(size)] for _ in range(3)]
+    padded = padded_numel(resolve_compression(name), n, size)
+    assert padded > n  # these sizes need padding: the case the room saves
+
+    def run(with_room):
+        def rank_fn(rank, comm):
+            codec, ops, outs = resolve_compression(name), _CountingOps(), []
+            for t, inputs in enumerate(steps):
+                x = np.zeros(padded, np.float32) if with_room else inputs[rank].copy()
+                x[:n] = inputs[rank]
+                out, _ = compressed_allreduce(ops, comm, codec, x, name=f"s{t}", key="b0", seed=t, prescale=0.5,
+                                              numel=n if with_room else None)
+                outs.append(out.copy())
+            return outs, ops.concatenated
+        return run_threads(LocalWorld(size, NUMPY_OPS), rank_fn)
+
+    bare, room = run(False), run(True)
+    for (outs_bare, copied_bare), (outs_room, copied_room) in zip(bare, room):
+        assert copied_bare >= 3 * n and copied_room == 0
+        for a, b in zip(outs_bare, outs_room):
+            assert a.shape == b.shape == (n,)
+            assert np.array_equal(a, b)
+
+
+def test_numel_outside_the_buffer_is_an_error():
+    world = LocalWorld(1, NUMPY_OPS)
+    with pytest.raises(ValueError, match="numel=11 is not within the 10 values"):
+        compressed_allreduce(NUMPY_OPS, world.communicator(0), resolve_compression("int8"), np.ones(10, np.float32),
+                             name="t", key="b", seed=0, numel=11)
+    with pytest.raises(ValueError, match="summable codec \\(none\\) reduces the whole bucket"):
+        reduce_bucket(NUMPY_OPS, world.communicator(0), resolve_compression("none"), np.ones(10, np.float32),
+                      name="t", key="b", seed=Seed(0), numel=5)

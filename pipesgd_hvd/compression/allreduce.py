@@ -15,7 +15,7 @@ torch.distributed and the in-process world alike, eagerly or inside a traced Ten
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 from ..comm.base import Communicator, ReduceOp, postscale_factor
 from ..schedule import Seed, allreduce_wire_bytes
@@ -36,40 +36,64 @@ class Reduction:
 
 def reduce_bucket(ops: TensorOps, comm: Communicator, codec: Codec, flat: Tensor, *, name: str, key: str,
                   seed: Seed, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0,
-                  postscale: float = 1.0) -> Reduction:
+                  postscale: float = 1.0, numel: Optional[int] = None) -> Reduction:
     """Reduce the flat bucket ``flat`` across ranks with ``codec``.
 
     A summable codec's payload goes through a plain all-reduce, started here (in place on
     ``flat`` for ``none``); ``wait()`` waits and decodes. A byte codec's compressed all-reduce
     blocks between its phases, so it runs inside ``wait()``: the caller picks the thread (the
-    engine's communication thread; at trace time for TensorFlow, where it only builds ops)."""
+    engine's communication thread; at trace time for TensorFlow, where it only builds ops).
+    ``numel``: a byte codec's values are the first ``numel`` of ``flat`` (see
+    :func:`compressed_allreduce`)."""
+    if codec.summable and numel is not None and numel != ops.numel(flat):
+        raise ValueError(f"a summable codec ({codec.name}) reduces the whole bucket: got numel={numel} "
+                         f"for a bucket of {ops.numel(flat)} values")
     if codec.summable:
         payload, ctx = codec.encode(ops, flat, key=key, seed=seed)
         handle = comm.allreduce_async_(payload, name, op, prescale, postscale)
         sent = allreduce_wire_bytes(ops.numel(payload), ops.dtype_name(payload), comm.size)
         return Reduction(lambda: (codec.decode(ops, handle.wait(), ctx), sent))
     return Reduction(lambda: compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed, op=op,
-                                                  prescale=prescale, postscale=postscale))
+                                                  prescale=prescale, postscale=postscale, numel=numel))
+
+
+def padded_numel(codec: Codec, numel: int, size: int) -> int:
+    """How many values a byte codec's compressed all-reduce of ``numel`` values over ``size``
+    ranks works on: one row per rank, of whole codec groups. A float32 buffer this long whose
+    values past ``numel`` are zero is reduced without copying it into a padded one."""
+    return size * codec.padded_cols(max(1, -(-numel // size)))
 
 
 def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Tensor, *,
                          name: str, key: str, seed: Union[Seed, int], op: ReduceOp = ReduceOp.AVERAGE,
-                         prescale: float = 1.0, postscale: float = 1.0) -> Tuple[Tensor, int]:
+                         prescale: float = 1.0, postscale: float = 1.0,
+                         numel: Optional[int] = None) -> Tuple[Tensor, int]:
     """Reduce the flat float tensor ``x`` across ranks with a byte codec (blocking).
 
-    Returns the reduced tensor (``x``'s length and dtype) and the bytes this rank sent.
-    ``seed``: stochastic rounding's (an int is taken as ``Seed(seed)``).
+    Returns the reduced tensor (``numel`` values, ``x``'s dtype) and the bytes this rank sent.
+    ``seed``: stochastic rounding's (an int is taken as ``Seed(seed)``). ``numel``: the values
+    are the first ``numel`` of ``x`` (default: all of it). A float32 ``x`` of at least
+    :func:`padded_numel` values, zero past ``numel``, is encoded where it lies; any other is first
+    copied into a zero-padded one (a whole copy of the bucket, on every call: the engine's
+    buffers have the room).
     """
     seed = seed if isinstance(seed, Seed) else Seed(int(seed))
     if codec.summable:
         raise ValueError(f"codec {codec.name} is summable: reduce it with a plain all-reduce")
-    n, size, dtype = ops.numel(x), comm.size, ops.dtype_name(x)
-    values = ops.cast(x, "float32") if dtype != "float32" else x
+    size, dtype = comm.size, ops.dtype_name(x)
+    n = ops.numel(x) if numel is None else numel
+    if not 0 <= n <= ops.numel(x):
+        raise ValueError(f"numel={n} is not within the {ops.numel(x)} values of the bucket")
+    cols = codec.padded_cols(max(1, -(-n // size)))
+    if dtype == "float32" and ops.numel(x) >= size * cols:
+        values = x if ops.numel(x) == size * cols else x[:size * cols]  # zero past n: the caller's word
+    else:
+        head = x if n == ops.numel(x) else x[:n]
+        values = ops.cast(head, "float32") if dtype != "float32" else head
+        if size * cols != n:
+            values = ops.concat([values, ops.zeros((size * cols - n,), "float32", like=x)], 0)
     if prescale != 1.0:
         values = values * prescale
-    cols = codec.padded_cols(max(1, -(-n // size)))
-    if size * cols != n:
-        values = ops.concat([values, ops.zeros((size * cols - n,), "float32", like=x)], 0)
     rows = ops.reshape(values, (size, cols))
 
     # The transport's outputs may come from its own stream's memory (Horovod allocates them on its
@@ -89,4 +113,4 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
     return (ops.cast(out, dtype) if dtype != "float32" else out), sent
 
 
-__all__ = ["Reduction", "allreduce_wire_bytes", "compressed_allreduce", "reduce_bucket"]
+__all__ = ["Reduction", "allreduce_wire_bytes", "compressed_allreduce", "padded_numel", "reduce_bucket"]
