@@ -7,8 +7,9 @@ from pipesgd_hvd.comm.base import ReduceOp
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import allreduce_wire_bytes, compressed_allreduce, padded_numel, reduce_bucket
-from pipesgd_hvd.schedule import Seed
 from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
+from pipesgd_hvd.schedule import Seed
+from counting_ops import CountingOps
 from threads import run_threads
 
 
@@ -38,18 +39,6 @@ def test_wire_bytes_with_scales(name, limit):
     assert results[0][1] / allreduce_wire_bytes(n, "float32", 2) <= limit
 
 
-class _CountingOps(type(NUMPY_OPS)):
-    """The numpy table, counting the values ``concat`` copies (the padding copy)."""
-
-    def __init__(self):
-        super().__init__()
-        self.concatenated = 0
-
-    def concat(self, xs, axis=0):
-        self.concatenated += sum(x.size for x in xs)
-        return super().concat(xs, axis)
-
-
 @pytest.mark.parametrize("size,n", [(2, 1001), (3, 1001), (5, 70001)])
 @pytest.mark.parametrize("name", ["fp16", "bf16", "truncate16", "int8", "int4"])
 def test_a_buffer_with_room_is_reduced_in_place_with_the_same_bits(name, size, n):
@@ -63,7 +52,7 @@ def test_a_buffer_with_room_is_reduced_in_place_with_the_same_bits(name, size, n
 
     def run(with_room):
         def rank_fn(rank, comm):
-            codec, ops, outs = resolve_compression(name), _CountingOps(), []
+            codec, ops, outs = resolve_compression(name), CountingOps(), []
             for t, inputs in enumerate(steps):
                 x = np.zeros(padded, np.float32) if with_room else inputs[rank].copy()
                 x[:n] = inputs[rank]

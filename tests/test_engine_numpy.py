@@ -21,6 +21,7 @@ from pipesgd_hvd.core.options import PipelineOptions
 from pipesgd_hvd.engine import PipelineEngine
 from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
 from pipesgd_hvd.fusion import TensorSpec
+from counting_ops import CountingOps
 from threads import run_threads
 
 SHAPES = [(3, 4), (5,), (2, 2, 2)]
@@ -247,18 +248,6 @@ def test_optimizer_core_checkpoint_resumes_exactly():
             assert np.array_equal(p, r)
 
 
-class _CountingOps(type(NUMPY_OPS)):
-    """The numpy table, counting the values ``concat`` copies (a compressed all-reduce's padding)."""
-
-    def __init__(self):
-        super().__init__()
-        self.concatenated = 0
-
-    def concat(self, xs, axis=0):
-        self.concatenated += sum(x.size for x in xs)
-        return super().concat(xs, axis)
-
-
 @pytest.mark.parametrize("codec", ["int8", "fp16"])
 def test_byte_codec_buckets_are_reduced_where_they_lie(codec):
     """A byte codec's buckets sit in buffers with the room their compressed all-reduce's rows take,
@@ -269,7 +258,7 @@ def test_byte_codec_buckets_are_reduced_where_they_lie(codec):
              for t in range(steps) for r in range(SIZE) for i in range(len(SPECS))}
 
     def engine_fn(rank, comm):
-        ops = _CountingOps()
+        ops = CountingOps()
         config = PipelineConfig(width=2, warmup_steps=0, fusion_threshold_bytes=THRESHOLD, name="np")
         engine = PipelineEngine(SPECS, ops=ops, comm=comm, codec=resolve_compression(codec), config=config)
         applied = []
@@ -283,7 +272,7 @@ def test_byte_codec_buckets_are_reduced_where_they_lie(codec):
         return [{i: g.copy() for i, g in a.grads.items()} for a in applied], ops.concatenated
 
     def bare_fn(rank, comm):
-        ops, reducer = _CountingOps(), resolve_compression(codec)
+        ops, reducer = CountingOps(), resolve_compression(codec)
         config = PipelineConfig(width=2, warmup_steps=0, fusion_threshold_bytes=THRESHOLD, name="np")
         buckets = PipelineEngine(SPECS, ops=NUMPY_OPS, comm=comm, codec=reducer, config=config).layout_for(
             range(len(SPECS))).buckets
