@@ -334,11 +334,12 @@ class RankBench:
         one untimed round trip (the first one's fresh outputs fault their pages in: it took 20-300 ms
         where the next ones took 5-13)."""
         from pipesgd_hvd.compression import resolve_compression
+        from pipesgd_hvd.compression.allreduce import padded_numel
         from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
 
         for c in self.timed_codecs:
             codec = resolve_compression(c)
-            rows = self.torch.zeros(self.hvd.size(), codec.padded_cols(-(-self.numel // self.hvd.size())))
+            rows = self.torch.zeros(padded_numel(codec, self.numel, self.hvd.size())).view(self.hvd.size(), -1)
             rows.view(-1)[: self.numel] = self.flat
 
             def round_trip() -> None:

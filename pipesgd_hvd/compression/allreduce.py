@@ -80,15 +80,15 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
     seed = seed if isinstance(seed, Seed) else Seed(int(seed))
     if codec.summable:
         raise ValueError(f"codec {codec.name} is summable: reduce it with a plain all-reduce")
-    size, dtype = comm.size, ops.dtype_name(x)
-    n = ops.numel(x) if numel is None else numel
-    if not 0 <= n <= ops.numel(x):
-        raise ValueError(f"numel={n} is not within the {ops.numel(x)} values of the bucket")
+    size, dtype, length = comm.size, ops.dtype_name(x), ops.numel(x)
+    n = length if numel is None else numel
+    if not 0 <= n <= length:
+        raise ValueError(f"numel={n} is not within the {length} values of the bucket")
     cols = codec.padded_cols(max(1, -(-n // size)))
-    if dtype == "float32" and ops.numel(x) >= size * cols:
-        values = x if ops.numel(x) == size * cols else x[:size * cols]  # zero past n: the caller's word
+    if dtype == "float32" and length >= size * cols:
+        values = x if length == size * cols else x[:size * cols]  # zero past n: the caller's word
     else:
-        head = x if n == ops.numel(x) else x[:n]
+        head = x if n == length else x[:n]
         values = ops.cast(head, "float32") if dtype != "float32" else head
         if size * cols != n:
             values = ops.concat([values, ops.zeros((size * cols - n,), "float32", like=x)], 0)
