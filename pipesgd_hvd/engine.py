@@ -47,12 +47,15 @@ _PLAIN = NoneCodec()  # the membership flags go as they are
 @dataclass
 class AppliedStep:
     """The averaged gradients of one step, ready to apply. ``grads`` maps spec index -> tensor;
-    the tensors may be views of engine buffers, valid until the next step begins."""
+    the tensors may be views of engine buffers, valid until the next step begins, unless
+    ``owned``: then nothing of the engine reads or writes their memory again, and they may
+    become the framework's gradients without a copy."""
 
     step: int
     grads: Dict[int, Tensor]
     meta: Any = None
     training: Optional[List[bool]] = None  # per rank: was it training (not joined) at this step
+    owned: bool = False
 
 
 @dataclass
@@ -443,7 +446,9 @@ class PipelineEngine:
             self.stats.fp32_bytes += self.schedule.fp32_wire_bytes(s.layout, self.comm.size)
             self.stats.steps += 1
             s.grads, s.reductions = grads, []
-        return AppliedStep(s.step, s.grads, s.meta, s.training)
+        # A byte codec's reduced bucket is its decode's new output, never a fusion buffer (a
+        # summable codec reduces in the buffer itself, which the step after next refills).
+        return AppliedStep(s.step, s.grads, s.meta, s.training, owned=not self.codec.summable)
 
     # ------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:

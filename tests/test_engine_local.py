@@ -127,3 +127,61 @@ def test_codec_runs_and_replicas_stay_identical_int8():
     for a, b in zip(w0, w1):
         assert torch.equal(a, b)
     assert opt0.stats.ratio < 0.6  # tiny model: padding to even blocks weighs; the wire test uses big ones
+
+
+def _train_recording_grads(compression, set_to_none, steps=6, copy_always=False):
+    """2 in-process ranks, width 2; per applied step, rank 0's ``.grad`` objects and the data
+    pointers of their storages, and the fusion buffers' storages; the weights after the last
+    step (before the flush)."""
+    world, batches = LocalWorld(2, TORCH_OPS), make_batches(steps, 2)
+
+    def rank_fn(rank, comm):
+        model = make_model()
+        opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                        named_parameters=model.named_parameters(), width=2,
+                                        compression=compression, communicator=comm)
+        if copy_always:  # what write_gradients did before it took tensors over
+            write = opt._adapter.write_gradients
+            opt._adapter.write_gradients = lambda grads, scale, owned=False: write(grads, scale, owned=False)
+        seen = []
+        for t in range(steps):
+            opt.zero_grad(set_to_none=set_to_none)
+            loss_fn(model, batches[t][rank]).backward()
+            before = [p.grad for p in model.parameters()]
+            opt.step()
+            if t >= 1:  # steps 1.. apply step t-1's average
+                buffers = {b.untyped_storage().data_ptr() for bs in opt._core.engine._buffers.values() for b in bs}
+                seen.append(([p.grad is g for p, g in zip(model.parameters(), before)],
+                             {p.grad.untyped_storage().data_ptr() for p in model.parameters()}, buffers))
+        weights = [p.detach().clone() for p in model.parameters()]
+        opt.flush()
+        return weights, seen
+
+    return run_threads(world, rank_fn)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_byte_codec_averages_become_the_gradients_without_a_copy(codec, set_to_none):
+    # A byte codec's reduced bucket is a new tensor: .grad takes it over (set_), one storage per
+    # bucket (the tiny model has one), never a fusion buffer, each .grad object kept.
+    compression = getattr(psgd.Compression, codec)
+    results = _train_recording_grads(compression, set_to_none)
+    for same_objects, storages, buffers in results[0][1]:
+        assert all(same_objects), ".grad keeps its identity, as with Horovod's in-place all-reduce"
+        assert len(storages) == 1, f"the gradients were copied into {len(storages)} storages of their own"
+        assert not storages & buffers, "a gradient aliases a fusion buffer the next steps refill"
+    copied = _train_recording_grads(compression, set_to_none, copy_always=True)
+    for (weights, _), (reference, _) in zip(results, copied):
+        assert all(torch.equal(w, r) for w, r in zip(weights, reference)), "taking over changed the update"
+
+
+def test_summable_averages_are_copied_out_of_the_fusion_buffers():
+    # With none the all-reduce runs in the fusion buffer itself, refilled two steps later: .grad
+    # must be a copy (views would change under the update when the buffer is refilled).
+    (weights, seen), _ = _train_recording_grads(psgd.Compression.none, set_to_none=False)
+    for same_objects, storages, buffers in seen:
+        assert all(same_objects)
+        assert not storages & buffers
+    ref = reference_sgd(6, 2, 2, LR, 0, batches=lambda t: make_batches(6, 2)[t])
+    assert all(torch.equal(w, r) for w, r in zip(weights, ref))

@@ -147,7 +147,7 @@ class NumpyAdapter:
     def local_gradient(self, index):
         return self.grads[index]
 
-    def write_gradients(self, grads, scale):
+    def write_gradients(self, grads, scale, owned=False):
         self.grads = [None if grads.get(i) is None else np.array(grads[i]) * scale for i in range(len(SHAPES))]
 
     def zero_gradients(self):

@@ -52,7 +52,9 @@ class Codec(abc.ABC):
     def encode(self, ops: TensorOps, x: Tensor, *, key: str, seed: Any) -> Tuple[Tensor, Any]: ...
 
     @abc.abstractmethod
-    def decode(self, ops: TensorOps, payload: Tensor, ctx: Any) -> Tensor: ...
+    def decode(self, ops: TensorOps, payload: Tensor, ctx: Any) -> Tensor:
+        """The values of ``payload``. A byte codec (not summable) returns a new tensor, never a
+        view of the payload or of its state: the engine hands it over as the gradient."""
 
     def encode_ef(self, ops: TensorOps, x: Tensor, residual: Optional[Tensor], *, key: str,
                   seed: Any) -> Tuple[Tensor, Any, Tensor]:

@@ -22,9 +22,11 @@ class TrainingAdapter(Protocol):
     def has_local_gradient(self, index: int) -> bool: ...
     def local_gradient(self, index: int) -> Tensor:
         """This rank's gradient of the tensor (it has one), checked and dense."""
-    def write_gradients(self, grads: Dict[int, Tensor], scale: Any) -> None:
+    def write_gradients(self, grads: Dict[int, Tensor], scale: Any, owned: bool = False) -> None:
         """Put the averaged gradients (times ``scale``: a float, 1.0 for none, or a 0-d tensor)
-        where the update reads them; tensors missing from ``grads`` get none."""
+        where the update reads them; tensors missing from ``grads`` get none. ``owned``: the
+        tensors' memory is the adapter's now (see :class:`~pipesgd_hvd.engine.AppliedStep`), so
+        they may become the gradients without a copy."""
     def zero_gradients(self) -> None: ...
     def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Run the wrapped optimizer's update on the written gradients."""

@@ -255,7 +255,7 @@ class OptimizerCore(PipelineLifecycle):
         if applied.meta is not None:  # floats, or device tensors divided on the device (no sync)
             now = 1.0 if unscale else self.adapter.loss_scale()
             ratio = now / applied.meta
-        self.adapter.write_gradients(applied.grads, ratio)
+        self.adapter.write_gradients(applied.grads, ratio, owned=applied.owned)
 
     def flush(self, check_steps: bool = True) -> int:
         """Apply every gradient still in flight (call once training ends, on every rank); returns
@@ -346,7 +346,9 @@ class OptimizerCore(PipelineLifecycle):
 
     @staticmethod
     def _with_grads(applied: AppliedStep, grads: List[Optional[Tensor]]) -> AppliedStep:
-        return dataclasses.replace(applied, grads={i: g for i, g in enumerate(grads) if g is not None})
+        # not owned: a correction may keep what it returns (its state of the steps in flight)
+        return dataclasses.replace(applied, grads={i: g for i, g in enumerate(grads) if g is not None},
+                                   owned=False)
 
     def adam_state(self, index: int) -> Any:
         return self.adapter.adam_state(index)

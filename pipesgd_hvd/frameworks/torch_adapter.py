@@ -73,21 +73,26 @@ class TorchAdapter:
             self._sparse.add(index)  # reduced dense (sparse_as_dense), handed back sparse, as Horovod does
         return checks.checked_grad(name, p, self.sparse_as_dense)
 
-    def write_gradients(self, grads: Dict[int, torch.Tensor], scale: float) -> None:
+    def write_gradients(self, grads: Dict[int, torch.Tensor], scale: Any, owned: bool = False) -> None:
         for i, p in enumerate(self.params):
             g = grads.get(i)
             if g is None:
                 p.grad = None
                 continue
+            mine = owned
             if not (isinstance(scale, float) and scale == 1.0):  # a device tensor is never compared (a sync)
-                g = g * scale
+                g, mine = g * scale, True
             if i in self._sparse:  # optimizers such as SparseAdam take sparse gradients only
                 p.grad = g.to_sparse()
                 continue
-            if p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype and not p.grad.is_sparse:
-                p.grad.copy_(g)
+            dense = p.grad is not None and not p.grad.is_sparse
+            if dense and p.grad.shape == g.shape and p.grad.dtype == g.dtype and p.grad.device == g.device:
+                # .grad keeps its identity, as with Horovod's in-place all-reduce; a tensor that is
+                # ours becomes its memory (set_, as Horovod's optimizer does after decompressing),
+                # which saves a copy of the gradient per step
+                p.grad.set_(g) if mine else p.grad.copy_(g)
             else:
-                p.grad = g.detach().clone()
+                p.grad = g.detach() if mine and g.dtype == p.dtype and g.device == p.device else g.detach().clone()
 
     def zero_gradients(self) -> None:
         for p in self.params:
