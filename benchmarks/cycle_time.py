@@ -153,6 +153,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.rank:
         return rank_main(args.rounds, args.steps)
+    from benchmarks.report import progress
+
     settings = [(DEFAULT, None), (f"{args.cycle_ms:g} ms", args.cycle_ms)]
     samples: Dict[str, Dict[str, List[List[float]]]] = {}
     total, done, started = args.reps * len(args.controllers) * len(settings), 0, time.perf_counter()
@@ -163,10 +165,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 for config, steps in result.items():
                     samples.setdefault(f"{controller}/{name}", {}).setdefault(config, []).append(steps)
                 done += 1
-                elapsed = time.perf_counter() - started
                 print(f"[{done}/{total}] {controller}, cycle {name}: "
                       + ", ".join(f"{c} {statistics.median(s) * 1e3:.0f} ms" for c, s in result.items())
-                      + f"; {elapsed:.0f} s in, ~{elapsed / done * (total - done):.0f} s left", flush=True)
+                      + f"; {progress(done, total, started)}", flush=True)
     text = render(summarize(samples), args.controllers, args.cycle_ms, args.reps, args.rounds, args.steps)
     if not args.no_doc:
         from benchmarks.report import write_section

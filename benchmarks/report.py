@@ -33,6 +33,15 @@ def write_section(key: str, markdown: str, doc: Path = DOC) -> None:
     doc.write_text(text)
 
 
+def progress(done: int, total: int, started: float) -> str:
+    """``"<s> s in, ~<s> s left"`` after ``done`` of ``total`` equal parts begun at ``started``
+    (``time.perf_counter()``)."""
+    import time
+
+    elapsed = time.perf_counter() - started
+    return f"{elapsed:.0f} s in, ~{elapsed / done * (total - done):.0f} s left"
+
+
 def table(header: list, rows: list) -> str:
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
