@@ -85,12 +85,14 @@ class TorchAdapter:
             if i in self._sparse:  # optimizers such as SparseAdam take sparse gradients only
                 p.grad = g.to_sparse()
                 continue
-            dense = p.grad is not None and not p.grad.is_sparse
-            if dense and p.grad.shape == g.shape and p.grad.dtype == g.dtype and p.grad.device == g.device:
+            if p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype and not p.grad.is_sparse:
                 # .grad keeps its identity, as with Horovod's in-place all-reduce; a tensor that is
                 # ours becomes its memory (set_, as Horovod's optimizer does after decompressing),
                 # which saves a copy of the gradient per step
-                p.grad.set_(g) if mine else p.grad.copy_(g)
+                if mine and p.grad.device == g.device:
+                    p.grad.set_(g)
+                else:
+                    p.grad.copy_(g)
             else:
                 p.grad = g.detach() if mine and g.dtype == p.dtype and g.device == p.device else g.detach().clone()
 
