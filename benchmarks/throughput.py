@@ -166,14 +166,21 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
 
 
+def cpu_cell(la: Launch, key: str) -> str:
+    """A training segment's CPU per step: compute thread / other threads (Horovod's among them,
+    where the record tells them apart) / the machine's busy cores."""
+    main, other = la.cpu_per_step(key)
+    hvd = la.horovod_cpu(key)
+    return f"{ms(main)} / {ms(other)}{'' if hvd is None else f' ({ms(hvd)})'} / {la.machine_cores(key):.2f}"
+
+
 def launch_block(setting: Setting, la: Launch, model: Model) -> str:
     from .report import table
 
     rows = []
     for key in ("compute", *la.configs):
         t = la.median(key)
-        main, other = la.cpu_per_step(key)
-        cpu = f"{ms(main)} / {ms(other)} / {la.machine_cores(key):.2f}"
+        cpu = cpu_cell(la, key)
         if key == "compute":
             rows.append(["compute alone (no communication)", ms(t), "", "", "", "", "", "", cpu])
             continue
@@ -182,23 +189,25 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
                      loop, ms(model.step[key]), f"{t / model.step[key]:.2f}", cpu])
     if la.auto is not None:
         key, t = la.auto_choice(), la.median(AUTO)
-        main, other = la.cpu_per_step(AUTO)
         rows.append([f"pipesgd auto (chose: {LABELS[key].replace('pipesgd ', '')})", ms(t), f"{speedup(la, AUTO):.2f}x",
                      ms(la.bound(key)), f"{la.bound(key) / t:.0%}", "", ms(model.step[key]), f"{t / model.step[key]:.2f}",
-                     f"{ms(main)} / {ms(other)} / {la.machine_cores(AUTO):.2f}"])
+                     cpu_cell(la, AUTO)])
     head = ["configuration", "step ms", "speed-up vs Horovod", "bound ms", "bound / step",
             "engine-free loop ms (step / loop)", "model ms", "step / model",
-            "CPU per step: compute thread ms / other threads ms / machine cores busy"]
+            "CPU per step: compute thread ms / other threads ms (Horovod's) / machine cores busy"]
     codec_rows = []
     for c in ("none", *la.codecs):
         key = "w2" if c == "none" else f"w2-{c}"
         if key not in la.configs:
             continue
-        codec_rows.append([c, ms(la.comm(c)), ms(la.comm_cpu(c)), ms(background_cpu(la, la.comm(c))),
+        hvd = la.horovod_cpu(f"comm-{c}")
+        codec_rows.append([c, ms(la.comm(c)), ms(la.comm_cpu(c)), "-" if hvd is None else ms(hvd),
+                           ms(background_cpu(la, la.comm(c))),
                            ms(la.median(f"codec-{c}")) if c != "none" else "-",
                            f"{model.codecs[c].cost_per_byte * 1e9:.2f}", ms(model.comm[c]),
                            f"{model.interference[c]:.2f}", f"{la.raw['wire_ratio'][key]:.3f}"])
-    codec_head = ["codec", "all-reduce alone ms", "its CPU ms (all threads of a rank)", "the threads' idle CPU over "
+    codec_head = ["codec", "all-reduce alone ms", "its CPU ms (all threads of a rank)", "of which Horovod's threads, ms",
+                  "all threads' idle CPU over "
                   "as long, ms", "encode + decode of the gradient, "
                   "one rank, ms", "cost beyond the wire ns/B", "model all-reduce ms", "interference f",
                   "wire bytes vs fp32"]
@@ -329,6 +338,7 @@ def findings(launches: Sequence[Launch]) -> str:
     codecs = [c for c in CODECS if all(c in la.codecs for la in two)]
     cpu = ", ".join(f"{c} {ms(statistics.median(la.comm_cpu(c) for la in two))}" for c in ("none", *codecs))
     idle = [background_cpu(la, 1.0) for la in two]
+    own = ", ".join(f"{c} {ms(statistics.median(la.reduction_cpu(c) for la in two))}" for c in codecs)
     busy = [la.machine_cores(k) for la in two for k in la.configs
             if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
     rates = "; ".join(f"{la.rate}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in phase_rates(la).items()) for la in two)
@@ -344,8 +354,10 @@ def findings(launches: Sequence[Launch]) -> str:
         "order), each started once its gradients are in; the other width-1 row caps buckets at one layer."
         if width1 else "- **Width 1 against Horovod**: not run (`--configs`).",
         f"- **One core per rank.** An all-reduce alone cost a rank this much CPU, all its threads (median over the "
-        f"2-host launches, ms): {cpu}; with nothing to do the threads burned {min(idle, default=0) * 1e3:.0f}-"
-        f"{max(idle, default=0) * 1e3:.0f} ms per second (Horovod's background loop). Compute owns the core, so that "
+        f"2-host launches, ms): {cpu}; the byte codecs' without Horovod's threads (its loop runs beside them, op or "
+        f"not): {own}. With nothing to do the threads burned "
+        f"{min(idle, default=0) * 1e3:.0f}-{max(idle, default=0) * 1e3:.0f} ms per second (Horovod's background "
+        "loop). Compute owns the core, so that "
         "CPU is taken from it: a pipelined step cannot beat compute + that CPU, whatever the link"
         + (f"; the machine was {min(busy):.1f}-{max(busy):.1f} cores busy in the pipelined rows that missed their "
            "bound." if busy else "."),
@@ -529,8 +541,11 @@ refills the pipeline; flushed after), interleaved with the others; step times ar
 - *CPU per step*, read around each segment: the compute thread (`time.thread_time`) and all other threads of
   a rank (`getrusage` less the compute thread: Horovod's background thread and Gloo's, the pipeline's comm
   thread, which runs the codecs), and how many of the machine's cores were busy (`/proc/stat`; 2.0 =
-  CPU-bound). What the rank's threads burn with nothing to do (Horovod's background loop) comes from an idle
-  0.25 s timed beside the collectives: the model's interference and an all-reduce's "own" CPU leave it out.
+  CPU-bound). Horovod's own threads (those born while `hvd.init()` and a first op ran) are read apart, on
+  their thread clocks (`benchmarks/thread_cpu.py`): their loop wakes every cycle, op or not. A byte
+  codec's all-reduce runs on the pipeline's own channel, so its CPU is that of the rank's other threads
+  (the target's figure); Horovod's float32 all-reduce is billed all threads. What those threads burn with
+  nothing to do, from an idle 0.25 s timed beside the collectives, is left out of the model's interference.
 - *pipesgd auto*: `width="auto", compression="auto"` (PyTorch; `pipesgd_hvd/auto.py`), run before the
   rounds until it decides (`auto_measure_steps=5`, no re-check), then timed like the others in the
   configuration it chose. Its model column is the chosen configuration's. Its target: within 10% of the

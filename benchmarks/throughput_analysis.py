@@ -16,7 +16,8 @@ it predicts:
   cost per call, which is not small here, and the model has no term for it;
 * the compute time (forward + backward + update) and its backward share, timed alone;
 * the interference f per codec (``pipelined_iteration_time``): with one core per rank, the CPU
-  time X an all-reduce costs the rank (all threads, timed alone) beyond what its threads burn
+  time X an all-reduce costs the rank (timed alone, in the threads that run it: a byte codec's
+  leaves Horovod's background loop out, ``Launch.reduction_cpu``) beyond what those threads burn
   idle over as long (in training that is already inside the compute time) is taken from
   compute when the two run side by side, so ``l_comm f/(1+f) = X``, X scaled to wall time by the
   share of a core the rank got for compute alone (other jobs took the rest);
@@ -117,6 +118,29 @@ class Launch:
         """CPU seconds (all threads) one all-reduce of ``codec`` costs a rank, timed alone."""
         return self.mean_median(f"cpu/comm-{codec}")
 
+    def horovod_cpu(self, key: str) -> Optional[float]:
+        """CPU seconds Horovod's own threads took during ``key`` (per step of a training segment),
+        told apart by their thread clocks (benchmarks/thread_cpu.py); None in a record from before
+        the worker told them apart."""
+        name = f"cpu-hvd/{key}"
+        if not all(name in r["samples"] for r in self.raw["per_rank"]):
+            return None
+        return self.mean_median(name)
+
+    def horovod_apart(self, codec: str) -> bool:
+        """Whether ``reduction_cpu`` leaves Horovod's threads out of ``codec``'s all-reduce: a
+        byte codec's runs on the pipeline's own channel, beside Horovod's background loop (which
+        wakes every cycle, op or not), in a record that tells Horovod's threads apart. The float32
+        one timed alone is Horovod's own all-reduce: its threads do the work."""
+        return codec != "none" and self.horovod_cpu(f"comm-{codec}") is not None
+
+    def reduction_cpu(self, codec: str) -> float:
+        """CPU seconds one all-reduce of ``codec`` costs a rank, timed alone, in the threads that run
+        it: for a byte codec every thread but Horovod's (the codec, the pipeline channel's
+        transport, the copies and the sum), else all threads."""
+        hvd = self.horovod_cpu(f"comm-{codec}") if self.horovod_apart(codec) else None
+        return self.comm_cpu(codec) - (hvd or 0.0)
+
 
     @property
     def compute(self) -> float:
@@ -164,23 +188,29 @@ class Model:
     step: Dict[str, float]          # predicted step per training configuration
 
 
-def background_cpu(launch: Launch, seconds: float) -> float:
+def background_cpu(launch: Launch, seconds: float, *, horovod: bool = True) -> float:
     """CPU seconds a rank's threads burn over ``seconds`` with nothing to do: Horovod's background
     loop wakes every cycle, op or not (benchmarks/cycle_time.py). Their rate in an idle segment
-    timed beside the collectives; a record without one takes their rate during compute alone."""
+    timed beside the collectives; a record without one takes their rate during compute alone.
+    ``horovod=False``: the threads other than Horovod's, where the record tells them apart."""
     if all("cpu/idle" in r["samples"] for r in launch.raw["per_rank"]):
-        rate = launch.mean_median("cpu/idle") / launch.median("idle")
+        busy = launch.mean_median("cpu/idle")
+        if not horovod:
+            busy -= launch.horovod_cpu("idle") or 0.0
+        rate = busy / launch.median("idle")
     else:
         rate = launch.cpu_per_step("compute")[1] / launch.compute
     return rate * seconds
 
 
 def extra_cpu(launch: Launch, codec: str) -> float:
-    """CPU seconds one all-reduce of ``codec`` adds to a rank: all its threads' CPU while it ran
-    alone, less their background over as long. During training that background is already inside
-    the compute time: billing it again with the all-reduce overestimated the compressed rows by up
-    to ~20% on a slow machine."""
-    return max(0.0, launch.comm_cpu(codec) - background_cpu(launch, launch.comm(codec)))
+    """CPU seconds one all-reduce of ``codec`` adds to a rank: its threads' CPU while it ran
+    alone (``Launch.reduction_cpu``: Horovod's left out where told apart), less what the same
+    threads burn idle over as long. During training that background is already inside the compute
+    time: billing it again with the all-reduce overestimated the compressed rows by up to ~20% on a
+    slow machine."""
+    return max(0.0, launch.reduction_cpu(codec) - background_cpu(launch, launch.comm(codec),
+                                                                   horovod=not launch.horovod_apart(codec)))
 
 
 def interference(launch: Launch, codec: str, comm: float) -> float:
@@ -335,10 +365,11 @@ def targets(launches: List[Launch], models: Mapping[int, Model]) -> List[Target]
             out.append(Target(f"{where}: {LABELS[key]} within 10% of max(compute, its all-reduce)", eff >= 1 / 1.1,
                               f"bound / step = {eff:.0%}", "" if eff >= 1 / 1.1 else cause(la, key)))
         for c in la.codecs:
-            x = la.comm_cpu(c)
+            x, hvd = la.reduction_cpu(c), la.horovod_cpu(f"comm-{c}")
             met = x < 0.2 * la.compute
+            beside = "" if not la.horovod_apart(c) else f" (Horovod's threads another {hvd * 1e3:.0f} ms over as long)"
             out.append(Target(f"{where}: {c} all-reduce's CPU on a rank < 20% of compute", met,
-                              f"{x * 1e3:.0f} ms = {x / la.compute:.0%} of compute {la.compute * 1e3:.0f} ms",
+                              f"{x * 1e3:.0f} ms = {x / la.compute:.0%} of compute {la.compute * 1e3:.0f} ms{beside}",
                               "" if met else cpu_cause(la, c)))
         if "w1" in la.configs:
             r = la.median("w1") / la.median("horovod")
@@ -356,13 +387,16 @@ def targets(launches: List[Launch], models: Mapping[int, Model]) -> List[Target]
 
 def cpu_cause(la: Launch, codec: str) -> str:
     """Where a compressed all-reduce's CPU goes: the codec's encode + decode of the gradient on
-    one rank, timed alone (``codec-<c>``), what the rank's threads burn over as long with nothing
+    one rank, timed alone (``codec-<c>``), what the same threads burn over as long with nothing
     to do, and the rest (transport, copies, sum)."""
-    x, codec_s = la.comm_cpu(codec), la.median(f"codec-{codec}")
-    idle = background_cpu(la, la.comm(codec))
+    x, codec_s = la.reduction_cpu(codec), la.median(f"codec-{codec}")
+    apart = la.horovod_apart(codec)
+    idle = background_cpu(la, la.comm(codec), horovod=not apart)
+    whose = ("the rank's threads other than Horovod's burn" if apart else
+             "the rank's threads burn")
     text = (f"encode + decode of the gradient alone took {codec_s * 1e3:.0f} ms on one rank; over the all-reduce's "
-            f"{la.comm(codec) * 1e3:.0f} ms the rank's threads burn {idle * 1e3:.0f} ms with nothing to do "
-            "(Horovod's background loop: benchmarks/cycle_time.py)")
+            f"{la.comm(codec) * 1e3:.0f} ms {whose} {idle * 1e3:.0f} ms with nothing to do"
+            + ("" if apart else " (Horovod's background loop: benchmarks/cycle_time.py)"))
     if idle >= x:
         return text + f", more than its {x * 1e3:.0f} ms: what it costs here is the threads' background"
     return text + (f"; the rest of its {x * 1e3:.0f} ms CPU ({max(0.0, x - codec_s - idle) * 1e3:.0f} ms) is its "

@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 from pipesgd_hvd.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
+from .thread_cpu import ThreadGroupClock, native_thread_ids
+
 MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
 # "w1-layer": width 1 with buckets capped at one layer, as Horovod's per-tensor reductions: the
@@ -100,7 +102,12 @@ class RankBench:
         from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
         from pipesgd_hvd.compression import resolve_compression
 
+        # Horovod's threads (its background loop and its Gloo context's), told apart from the
+        # pipeline's: the threads born while it starts and runs its first op
+        before = native_thread_ids()
         hvd.init()
+        hvd.allreduce(torch.zeros(1), name=self.horovod_name("barrier"))
+        self.horovod_clock = ThreadGroupClock(native_thread_ids() - before)
         torch.set_num_threads(1)
         torch.manual_seed(hvd.rank())
         self.args, self.hvd, self.torch = args, hvd, torch
@@ -197,11 +204,12 @@ class RankBench:
     def billed(self, key: str) -> Iterator[None]:
         """CPU per step of a segment: this rank's threads, and the whole machine (which also holds
         the kernel's network work and other jobs)."""
-        cpu0, busy0 = self.clock.read(), machine_busy()[0]
+        cpu0, busy0, hvd0 = self.clock.read(), machine_busy()[0], self.horovod_clock.read()
         yield
-        cpu1, busy1 = self.clock.read(), machine_busy()[0]
+        cpu1, busy1, hvd1 = self.clock.read(), machine_busy()[0], self.horovod_clock.read()
         self.record(f"cpu-main/{key}", (cpu1[0] - cpu0[0]) / self.args.steps)
         self.record(f"cpu-other/{key}", (cpu1[1] - cpu0[1]) / self.args.steps)
+        self.record(f"cpu-hvd/{key}", (hvd1 - hvd0) / self.args.steps)
         self.record(f"cpu-machine/{key}", (busy1 - busy0) / self.args.steps)
 
     # ------------------------------------------------------------------------------ training
@@ -324,10 +332,11 @@ class RankBench:
 
     def alone(self, key: str, fn: Callable[[], Any]) -> None:
         """A collective alone: its time, and the CPU it costs this rank (all threads), which it
-        would take from compute on a shared core."""
-        cpu0 = sum(self.clock.read())
+        would take from compute on a shared core, and the share of it that Horovod's threads took."""
+        cpu0, hvd0 = sum(self.clock.read()), self.horovod_clock.read()
         self.record(key, self.timed(fn))
         self.record(f"cpu/{key}", sum(self.clock.read()) - cpu0)
+        self.record(f"cpu-hvd/{key}", self.horovod_clock.read() - hvd0)
 
     def codec_round_trips(self) -> None:
         """Each codec's cost on one rank, no communication: encode + decode of the gradient, after
