@@ -22,7 +22,8 @@ test: install
 # The speed-up on an emulated cluster (network namespaces, shaped links; needs root): writes the
 # "throughput" section of docs/benchmarks.md and docs/img/throughput.png. Link rates come from a
 # calibration run first (comm/compute 0.25, 1, 2.5, 5); subsets and fixed rates: --aims, --configs,
-# --settings (python -m benchmarks.throughput --help).
+# --settings (python -m benchmarks.throughput --help). Every rank runs with HOROVOD_CYCLE_TIME=20 (README,
+# "cycle"); --horovod-cycle-ms 0 for Horovod's default.
 bench: install
 	$(PY) -m benchmarks.throughput
 

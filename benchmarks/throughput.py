@@ -19,6 +19,11 @@ Subsets and overrides (the section then holds only what ran; keep such runs out 
     python -m benchmarks.throughput --aims 1 5 --configs w2 w2-int8     # Horovod always runs too
     python -m benchmarks.throughput --settings 620mbit:1024 155mbit:512 # fixed RATE:BATCH, no calibration
     python -m benchmarks.throughput --four-hosts '' --controller-check ''  # 2-host launches only
+    python -m benchmarks.throughput --horovod-cycle-ms 0   # Horovod's default cycle (default: 20 ms)
+
+Every rank runs with ``HOROVOD_CYCLE_TIME=20``, Horovod's synchronous optimizer included: the
+README's advice for CPU machines whose ranks fill the cores, where Horovod's background loop,
+awake every cycle, takes the core compute needs.
 """
 from __future__ import annotations
 
@@ -126,6 +131,29 @@ class Progress:
             thread.join()
 
 
+def horovod_cycle_env(cycle_ms: float) -> Dict[str, str]:
+    """The workers' HOROVOD_CYCLE_TIME: ``cycle_ms`` > 0 sets it; 0 leaves Horovod's default (the
+    variable must then be unset here, or every rank would inherit it)."""
+    if cycle_ms > 0:
+        return {"HOROVOD_CYCLE_TIME": f"{cycle_ms:g}"}
+    if "HOROVOD_CYCLE_TIME" in os.environ:
+        raise ValueError("--horovod-cycle-ms 0 asks for Horovod's default cycle, but HOROVOD_CYCLE_TIME="
+                         f"{os.environ['HOROVOD_CYCLE_TIME']} is set in this environment: unset it, or pass its "
+                         "value as --horovod-cycle-ms")
+    return {}
+
+
+def cycle_line(cycle_ms: float) -> str:
+    """How the launches set Horovod's cycle, in words (a record from before the option ran at
+    Horovod's default)."""
+    if cycle_ms <= 0:
+        return "Horovod's default cycle (`HOROVOD_CYCLE_TIME` unset)"
+    return (f"`HOROVOD_CYCLE_TIME={cycle_ms:g}` for every rank, Horovod's synchronous optimizer included, as the "
+            "README advises on CPU machines whose ranks fill the cores: Horovod's background loop wakes every "
+            "cycle, op or not, on the core compute needs (section \"cycle time\"); `--horovod-cycle-ms 0` runs "
+            "Horovod's default")
+
+
 def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "", quick: bool = False,
                progress: Optional[Progress] = None, configs: Optional[Sequence[str]] = None) -> Launch:
     """One launch of the worker on a fresh cluster; ``configs`` (default ``args.configs``) are the
@@ -142,7 +170,8 @@ def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "",
                str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch), "--dim",
                str(args.dim), "--layers", str(args.layers), "--progress", str(lines),
                "--configs", ",".join(args.configs if configs is None else configs)] + (["--quick"] if quick else [])
-        env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
+        env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
+               **horovod_cycle_env(args.horovod_cycle_ms)}
         waited, busy = wait_for_quiet(args.max_quiet_wait)
         start = time.perf_counter()
         with Cluster(setting.hosts, rate=setting.rate) as cluster, Progress.echo(lines, "    "):
@@ -521,7 +550,7 @@ by side in each launch. Every sample of the run is kept in `build/throughput.jso
 
 Setup: ranks one per host: network namespaces behind a bridge, each host's egress shaped by
 `tc tbf rate R burst 512kb` (a transfer's first 512 kB leave at once, so short transfers can beat R), Horovod's
-{args.controller} controller (`benchmarks/cluster/`). Model: {args.layers} x Linear({args.dim}, {args.dim}),
+{args.controller} controller (`benchmarks/cluster/`), {cycle_line(getattr(args, "horovod_cycle_ms", 0.0))}. Model: {args.layers} x Linear({args.dim}, {args.dim}),
 {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, one torch thread per rank, SGD; the link rate sets
 comm/compute.
 {calibration_block(record.get("calibration"))}
@@ -591,6 +620,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
     parser.add_argument("--controller-check", default="620mbit:1024",
                         help="RATE:BATCH of two short launches, Gloo then MPI controller ('' skips them)")
+    parser.add_argument("--horovod-cycle-ms", type=float, default=20.0,
+                        help="HOROVOD_CYCLE_TIME of every rank (default 20, the README's advice for CPU machines "
+                             "whose ranks fill the cores; 0: Horovod's default)")
     parser.add_argument("--launch-timeout", type=float, default=600)
     parser.add_argument("--max-quiet-wait", type=float, default=45,
                         help="seconds to wait before each launch for other jobs to leave the cores idle")
@@ -604,6 +636,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         for spec in [*(args.settings or []), args.four_hosts, args.controller_check]:
             if spec:
                 rate_bps(Setting.parse(2, spec, "").rate)
+        if args.horovod_cycle_ms < 0:
+            raise ValueError(f"--horovod-cycle-ms must be >= 0 (0: Horovod's default), got {args.horovod_cycle_ms:g}")
+        if not args.render:
+            horovod_cycle_env(args.horovod_cycle_ms)
     except ValueError as e:
         parser.error(str(e))
     if not all(aim > 0 for aim in args.aims):

@@ -305,6 +305,14 @@ def phase_rates(launch: Launch) -> Dict[str, float]:
     return {k: v * 8 for k, v in rates.items()}
 
 
+def horovods_share(launch: Launch, key: str) -> str:
+    """", N of it Horovod's" for a training segment whose record tells Horovod's threads apart: its
+    background loop slows while the link is busy, so a codec that leaves the link idle longer
+    gives it more cycles (and the core less)."""
+    hvd = launch.horovod_cpu(key)
+    return "" if hvd is None else f", {hvd * 1e3:.0f} ms of it Horovod's"
+
+
 def cause(launch: Launch, key: str) -> str:
     """The measured reason a pipelined step is slower than wanted: the rank's one core when
     compute plus the all-reduce's CPU exceeds the all-reduce, else the all-reduce itself."""
@@ -318,7 +326,8 @@ def cause(launch: Launch, key: str) -> str:
         return (f"CPU: {loop}; the all-reduce alone costs the rank {x * 1e3:.0f} ms CPU of its own (codec + "
                 f"transport), which compute loses on the rank's one core: compute + that = {cpu_bound * 1e3:.0f} ms "
                 f"vs bound {launch.bound(key) * 1e3:.0f} ms; in training the threads beside compute used "
-                f"{other * 1e3:.0f} ms CPU per step (compute thread {main * 1e3:.0f} ms), the machine "
+                f"{other * 1e3:.0f} ms CPU per step{horovods_share(launch, key)} (compute thread "
+                f"{main * 1e3:.0f} ms), the machine "
                 f"{launch.machine_cores(key):.1f} cores")
     rates = phase_rates(launch)
     text = (f"the all-reduce: {loop}, the {codec} all-reduce alone {launch.comm(codec) * 1e3:.0f} ms, of which "

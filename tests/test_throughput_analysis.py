@@ -94,6 +94,10 @@ def test_compute_bound_codec_is_blamed_on_the_cpu_and_comm_bound_on_the_all_redu
     la = made_up(dict(STEP, **{"w2-int8": 0.32}), fast, CPU)
     assert cause(la, "w2-int8").startswith("CPU:")            # compute 0.201 + 0.1 CPU > 0.151
     assert cause(made_up(STEP, COMM, CPU), "w2-int8").startswith("the all-reduce:")
+    # where the record tells Horovod's threads apart, the CPU cause gives their share of a step's
+    assert "20 ms CPU per step (compute thread" in cause(la, "w2-int8")
+    told = made_up(dict(STEP, **{"w2-int8": 0.32}), fast, CPU, horovod_cpu={"w2-int8": 0.012})
+    assert "20 ms CPU per step, 12 ms of it Horovod's (compute thread 180 ms)" in cause(told, "w2-int8")
 
 
 def test_targets_are_the_issues_and_name_the_misses():

@@ -126,6 +126,7 @@ def test_the_worker_runs_compute_the_chosen_rows_and_their_loops():
     (["--settings", "620mbit"], "not RATE:BATCH: '620mbit'"),
     (["--settings", "620mbps:1024"], "not a tc rate in bit/s: '620mbps'"),
     (["--four-hosts", "fast:512"], "not a tc rate"),
+    (["--horovod-cycle-ms", "-1"], "--horovod-cycle-ms must be >= 0 (0: Horovod's default), got -1"),
 ])
 def test_bad_arguments_stop_before_any_launch_and_say_why(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(throughput, "measure", lambda args: pytest.fail("launched"))
@@ -175,3 +176,27 @@ def test_the_report_of_a_subset_holds_its_rows_and_each_launchs_aim():
     # fixed --settings: no aim, no calibration, no aim target
     fixed = throughput.render(record([la], [throughput.Setting(2, "155mbit", 1024, "rate set by --settings")]), None)
     assert "fixed by `--settings`" in fixed and "of its aim" not in fixed
+
+
+def test_horovods_cycle_is_set_for_every_rank_or_left_to_horovod(capsys, monkeypatch):
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
+    assert throughput.horovod_cycle_env(20.0) == {"HOROVOD_CYCLE_TIME": "20"}
+    assert throughput.horovod_cycle_env(2.5) == {"HOROVOD_CYCLE_TIME": "2.5"}
+    assert throughput.horovod_cycle_env(0.0) == {}
+    # Horovod's default asked for while this environment sets the variable: every rank would inherit it
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
+    monkeypatch.setattr(throughput, "measure", lambda args: pytest.fail("launched"))
+    with pytest.raises(SystemExit):
+        throughput.main(["--horovod-cycle-ms", "0"])
+    assert "HOROVOD_CYCLE_TIME=5 is set in this environment: unset it" in capsys.readouterr().err
+    assert throughput.horovod_cycle_env(20.0) == {"HOROVOD_CYCLE_TIME": "20"}   # the option wins
+
+
+def test_the_report_says_how_horovods_cycle_was_set():
+    la = subset(("horovod", "w2"))
+    fixed = [throughput.Setting(2, "155mbit", 1024, "rate set by --settings")]
+    rec = record([la], fixed)
+    assert "Horovod's default cycle (`HOROVOD_CYCLE_TIME` unset)" in throughput.render(rec, None)  # an older record
+    rec["args"]["horovod_cycle_ms"] = 20.0
+    assert "`HOROVOD_CYCLE_TIME=20` for every rank, Horovod's synchronous optimizer included" in \
+        throughput.render(rec, None)
