@@ -23,9 +23,13 @@ test: install
 # "throughput" section of docs/benchmarks.md and docs/img/throughput.png. Link rates come from a
 # calibration run first (comm/compute 0.25, 1, 2.5, 5); subsets and fixed rates: --aims, --configs,
 # --settings (python -m benchmarks.throughput --help). Every rank runs with HOROVOD_CYCLE_TIME=20 (README,
-# "cycle"); --horovod-cycle-ms 0 for Horovod's default.
+# "cycle"); --horovod-cycle-ms 0 for Horovod's default. Then the 2-host launches again with compute off
+# the cores (--offload-compute: forward and backward passes as waits of their measured times, as an
+# accelerator's step looks from the host), the "throughput-offloaded" section: on this CPU machine compute
+# holds the core the pipeline's threads need; there it holds none.
 bench: install
 	$(PY) -m benchmarks.throughput
+	$(PY) -m benchmarks.throughput --offload-compute --four-hosts '' --controller-check ''
 
 # The accuracy study (issues 8, 18): writes docs/accuracy.md and docs/img/accuracy.png; 4 SGD tasks and a
 # language model (AdamW), every staleness correction; 38 min on 2 cores (2285 s, 2026-12-04).

@@ -11,7 +11,9 @@ the rate), so the aims hold on any CPU; each launch reports the comm/compute it 
 than 20%. Inside a launch every configuration runs side by side, interleaved in rounds
 (``benchmarks/throughput_worker.py``); the analysis, the timing model's predictions and the
 targets are in ``benchmarks/throughput_analysis.py``. Writes the "throughput" section of
-docs/benchmarks.md and docs/img/throughput.png.
+docs/benchmarks.md and docs/img/throughput.png; with ``--offload-compute`` (forward and backward
+passes as waits of their measured times, ``benchmarks/offloaded_compute.py``) the
+"throughput-offloaded" section and docs/img/throughput-offloaded.png.
 
 Subsets and overrides (the section then holds only what ran; keep such runs out of docs/ with
 ``--no-doc``)::
@@ -20,6 +22,7 @@ Subsets and overrides (the section then holds only what ran; keep such runs out 
     python -m benchmarks.throughput --settings 620mbit:1024 155mbit:512 # fixed RATE:BATCH, no calibration
     python -m benchmarks.throughput --four-hosts '' --controller-check ''  # 2-host launches only
     python -m benchmarks.throughput --horovod-cycle-ms 0   # Horovod's default cycle (default: 20 ms)
+    python -m benchmarks.throughput --offload-compute      # compute off the cores, as on an accelerator
 
 Every rank runs with ``HOROVOD_CYCLE_TIME=20``, Horovod's synchronous optimizer included: the
 README's advice for CPU machines whose ranks fill the cores, where Horovod's background loop,
@@ -32,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -47,8 +51,22 @@ from .throughput_plan import (AIMS, FIRST_RATE, CommFit, fit_comm, off_aim, plan
 from .throughput_worker import AUTO, CODECS, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
-IMAGE = ROOT / "docs" / "img" / "throughput.png"
-RECORD = ROOT / "build" / "throughput.json"
+
+
+def section_key(offloaded: bool) -> str:
+    """The run's section of docs/benchmarks.md; its samples go to build/<key>.json, its plot to
+    docs/img/<key>.png (a run with compute off the cores keeps its own, beside the real one's)."""
+    return "throughput-offloaded" if offloaded else "throughput"
+
+
+def record_path(key: str, no_doc: bool = False) -> Path:
+    """Where a run's raw samples are kept (a --no-doc trial's apart: it never replaces the record
+    behind the doc's section)."""
+    return ROOT / "build" / (f"{key}-nodoc.json" if no_doc else f"{key}.json")
+
+
+def image_path(key: str) -> Path:
+    return ROOT / "docs" / "img" / f"{key}.png"
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,15 @@ def cycle_line(cycle_ms: float) -> str:
             "Horovod's default")
 
 
+def offload_flags(args: argparse.Namespace) -> List[str]:
+    """The worker's flags for compute off the cores: its waits fixed once the calibration has
+    measured them (``args.device_times``), so that every aimed launch waits the same."""
+    if not getattr(args, "offload_compute", False):
+        return []
+    times = getattr(args, "device_times", None)
+    return ["--offload-compute", *(["--device-times", ",".join(f"{t:.6f}" for t in times)] if times else [])]
+
+
 def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "", quick: bool = False,
                progress: Optional[Progress] = None, configs: Optional[Sequence[str]] = None) -> Launch:
     """One launch of the worker on a fresh cluster; ``configs`` (default ``args.configs``) are the
@@ -169,7 +196,8 @@ def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "",
         cmd = [sys.executable, "-m", "benchmarks.throughput_worker", "--rounds", str(args.rounds), "--steps",
                str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch), "--dim",
                str(args.dim), "--layers", str(args.layers), "--progress", str(lines),
-               "--configs", ",".join(args.configs if configs is None else configs)] + (["--quick"] if quick else [])
+               "--configs", ",".join(args.configs if configs is None else configs)] + (["--quick"] if quick else []) \
+            + offload_flags(args)
         env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
                **horovod_cycle_env(args.horovod_cycle_ms)}
         waited, busy = wait_for_quiet(args.max_quiet_wait)
@@ -249,8 +277,11 @@ def launch_block(setting: Setting, la: Launch, model: Model) -> str:
         f"{la.comm('none') / la.compute:.2f}**{aim_note(setting, la)}. Other jobs took {la.foreign_share():.0%} of "
         "the machine's busy CPU "
         f"time during this launch ({la.busy_at_start:.1f} cores busy when it started, after waiting {la.waited:.0f} s "
-        f"for a quieter moment); computing alone a rank got {la.core_share():.0%} of a core "
-        f"({ms(main_c)} ms CPU on the compute thread, {ms(other_c)} ms on the others per step).",
+        f"for a quieter moment); " + (
+            f"computing alone (off the cores) a rank used {ms(main_c)} ms CPU per step on the compute thread, "
+            f"{ms(other_c)} ms on the others." if la.offloaded else
+            f"computing alone a rank got {la.core_share():.0%} of a core "
+            f"({ms(main_c)} ms CPU on the compute thread, {ms(other_c)} ms on the others per step)."),
         "", table(head, rows), "", table(codec_head, codec_rows), "",
         f"Link fit (`fit_link` on float32 all-reduces of {la.grad_bytes / 1e6:.1f} MB, a quarter of it and 1 KB, "
         f"and a float32 add): alpha {link.alpha * 1e6:.0f} us, bandwidth {link.bandwidth * 8 / 1e9:.2f} Gbit/s, "
@@ -355,8 +386,6 @@ def share_of_tcp(launches: Sequence[Launch]) -> str:
 
 def findings(launches: Sequence[Launch]) -> str:
     """What the launches together show, in numbers from this run."""
-    import statistics
-
     two = [la for la in launches if la.hosts == 2]
     plan = width1_buckets(int(two[0].raw["layers"]), two[0].grad_bytes)["w1"] if two else []
     ratios = [la.median(k) / la.loop(k) for la in launches for k in la.configs if k.startswith("w2")]
@@ -372,6 +401,7 @@ def findings(launches: Sequence[Launch]) -> str:
             if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
     rates = "; ".join(f"{la.rate}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in phase_rates(la).items()) for la in two)
     slow = max(two, key=lambda la: la.comm("none") / la.compute) if two else None
+    offloaded = any(la.offloaded for la in launches)
     lines = [
         f"- **Engine overhead.** In the {len(ratios)} width-2 rows the engine's step was {min(ratios):.2f}-"
         f"{max(ratios):.2f}x (median {statistics.median(ratios):.2f}) that of the same schedule without the engine "
@@ -382,12 +412,16 @@ def findings(launches: Sequence[Launch]) -> str:
         f"in {len(plan)} buckets (MB: {', '.join(f'{x * two[0].grad_bytes / 1e6:.1f}' for x in plan)}, in launch "
         "order), each started once its gradients are in; the other width-1 row caps buckets at one layer."
         if width1 else "- **Width 1 against Horovod**: not run (`--configs`).",
-        f"- **One core per rank.** An all-reduce alone cost a rank this much CPU, all its threads (median over the "
+        f"- **{'Compute off the cores' if offloaded else 'One core per rank'}.** An all-reduce alone cost a rank "
+        f"this much CPU, all its threads (median over the "
         f"2-host launches, ms): {cpu}; the byte codecs' without Horovod's threads (its loop runs beside them, op or "
         f"not): {own}. With nothing to do the threads burned "
         f"{min(idle, default=0) * 1e3:.0f}-{max(idle, default=0) * 1e3:.0f} ms per second (Horovod's background "
-        "loop). Compute owns the core, so that "
-        "CPU is taken from it: a pipelined step cannot beat compute + that CPU, whatever the link"
+        "loop). "
+        + ("Compute waits on its stand-in device and holds no core, so that CPU takes nothing from it: a pipelined "
+           "step can reach max(compute, its all-reduce)" if offloaded else
+           "Compute owns the core, so that CPU is taken from it: a pipelined step cannot beat compute + that CPU, "
+           "whatever the link")
         + (f"; the machine was {min(busy):.1f}-{max(busy):.1f} cores busy in the pipelined rows that missed their "
            "bound." if busy else "."),
         f"- **The compressed all-reduce's wire.** Sent per rank, Mbit/s: {rates}. "
@@ -480,7 +514,12 @@ def calibrate(args: argparse.Namespace, progress: Optional[Progress], launch: Op
     print(f"  calibration: {calibration_line(compute, runs, fit)}; rates: "
           + ", ".join(f"{aim:g}x -> {rate} (predicted {pred:.2f})" for aim, rate, pred in plans),
           file=sys.stderr, flush=True)
-    return {"compute_s": compute, "points": runs, "fit": dataclasses.asdict(fit), "plans": plans}
+    out = {"compute_s": compute, "points": runs, "fit": dataclasses.asdict(fit), "plans": plans}
+    if getattr(args, "offload_compute", False):
+        # the waits every aimed launch stands in for compute with: the real passes as the two launches
+        # timed them (a launch that timed its own computed 186 ms where the calibration had 243)
+        out["device_s"] = [statistics.mean(la.median(f"device-{k}") for la in launches) for k in ("forward", "backward")]
+    return out
 
 
 def calibration_line(compute: float, points: Sequence[Tuple[str, float, float]], fit: CommFit) -> str:
@@ -500,6 +539,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     load_before = os.getloadavg()
     start = time.perf_counter()
     calibration = calibrate(args, progress) if calibrating else None
+    if calibration is not None and "device_s" in calibration:
+        args.device_times = calibration["device_s"]
     if calibration is not None:
         settings = [Setting(2, rate, args.batch, f"aimed at comm ~{aim:g}x compute", aim)
                     for aim, rate, _ in calibration["plans"]]
@@ -527,9 +568,33 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             "launches": [dataclasses.asdict(la) for la in launches], "pair": [dataclasses.asdict(la) for la in pair]}
 
 
+def offload_block(launches: Sequence[Launch], calibration: Optional[Dict[str, Any]]) -> str:
+    """How a run with compute off the cores stood in for compute, and for how long."""
+    if calibration is not None and "device_s" in calibration:
+        forward, backward = calibration["device_s"]
+        timed = ("the calibration's two launches timed the real forward and backward passes (each the slowest "
+                 f"rank's median of 5 steps after one; their mean: forward {ms(forward)} ms, backward "
+                 f"{ms(backward)} ms), and every step of every launch waited as long instead")
+    else:
+        timed = ("each launch first timed the real forward and backward passes (the slowest rank's median of 5 "
+                 "steps after one; ms: " + "; ".join(f"{la.rate}: forward {ms(la.median('device-forward'))}, backward "
+                                                      f"{ms(la.median('device-backward'))}" for la in launches)
+                 + "), then every step waited as long instead")
+    return ("\n**Compute off the cores** (`--offload-compute`, `benchmarks/offloaded_compute.py`): "
+            f"{timed}, holding neither a core nor the GIL, the "
+            "backward pass in one slice per layer with that layer's gradients (fixed tensors, copied into `.grad`) "
+            "after its slice, last layer first, so that Horovod's and pipesgd's hooks fire as in a real backward "
+            "pass. The optimizer's update and everything after it run on the host as before. That is how an "
+            "accelerator's step looks from the host thread: the pipeline's and Horovod's threads get the core that "
+            "compute holds in the section above. It is an emulation on this CPU machine, not a GPU measurement.\n")
+
+
 def render(record: Dict[str, Any], image: Optional[Path]) -> str:
-    """The "throughput" section (and the plot, unless ``image`` is None) from a raw record."""
+    """The "throughput" section, or with compute off the cores "throughput-offloaded" (and the
+    plot, unless ``image`` is None), from a raw record."""
     args = argparse.Namespace(**record["args"])
+    offloaded = bool(getattr(args, "offload_compute", False))
+    key = section_key(offloaded)
     settings = [Setting(**s) for s in record["settings"]]
     launches = [Launch(**la) for la in record["launches"]]
     pair = [Launch(**la) for la in record["pair"]]
@@ -540,20 +605,22 @@ def render(record: Dict[str, Any], image: Optional[Path]) -> str:
     blocks = "\n\n".join(launch_block(s, la, m) for s, la, m in zip(settings, launches, models))
     four_x = max((la for la in launches if la.hosts == 2), key=lambda la: la.comm("none") / la.compute)
     load_before, load_after = (", ".join(f"{v:.2f}" for v in record[k]) for k in ("load_before", "load_after"))
-    return f"""## Throughput on the emulated cluster (`benchmarks/throughput.py`, `make bench`)
+    title = ("Throughput with compute off the cores (`benchmarks/throughput.py --offload-compute`, `make bench`)"
+             if offloaded else "Throughput on the emulated cluster (`benchmarks/throughput.py`, `make bench`)")
+    return f"""## {title}
 
 {record["machine"]}; {record["elapsed_s"] / 60:.1f} min for {len(launches) + len(pair)} launches. Load average
 (1, 5, 15 min) before: {load_before}; after: {load_after}. The two cores were shared with other jobs (their share
 is given per launch): absolute times carry that noise, the ratios less so, since every configuration ran side
-by side in each launch. Every sample of the run is kept in `build/throughput.json`
-(`python -m benchmarks.throughput --render build/throughput.json` rewrites this section from it).
+by side in each launch. Every sample of the run is kept in `build/{key}.json`
+(`python -m benchmarks.throughput --render build/{key}.json` rewrites this section from it).
 
 Setup: ranks one per host: network namespaces behind a bridge, each host's egress shaped by
 `tc tbf rate R burst 512kb` (a transfer's first 512 kB leave at once, so short transfers can beat R), Horovod's
 {args.controller} controller (`benchmarks/cluster/`), {cycle_line(getattr(args, "horovod_cycle_ms", 0.0))}. Model: {args.layers} x Linear({args.dim}, {args.dim}),
 {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, one torch thread per rank, SGD; the link rate sets
 comm/compute.
-{calibration_block(record.get("calibration"))}
+{offload_block(launches, record.get("calibration")) if offloaded else ""}{calibration_block(record.get("calibration"))}
 Every configuration ran {args.rounds} rounds of {args.steps} timed steps (after one untimed step that
 refills the pipeline; flushed after), interleaved with the others; step times are medians of the slowest rank.
 
@@ -582,7 +649,7 @@ refills the pipeline; flushed after), interleaved with the others; step times ar
 
 {blocks}
 
-![speed-up over Horovod](img/throughput.png)
+![speed-up over Horovod](img/{key}.png)
 
 Bars: measured speed-up over Horovod's synchronous optimizer; black marks: the model's.
 
@@ -623,12 +690,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--horovod-cycle-ms", type=float, default=20.0,
                         help="HOROVOD_CYCLE_TIME of every rank (default 20, the README's advice for CPU machines "
                              "whose ranks fill the cores; 0: Horovod's default)")
+    parser.add_argument("--offload-compute", action="store_true",
+                        help="forward and backward passes as waits of their measured times, off the cores, as on an "
+                             "accelerator (benchmarks/offloaded_compute.py); writes the \"throughput-offloaded\" section")
     parser.add_argument("--launch-timeout", type=float, default=600)
     parser.add_argument("--max-quiet-wait", type=float, default=45,
                         help="seconds to wait before each launch for other jobs to leave the cores idle")
     parser.add_argument("--no-doc", action="store_true",
-                        help="print the section, leave docs/ and build/throughput.json alone (its samples go to "
-                             "build/throughput-nodoc.json)")
+                        help="print the section, leave docs/ and build/<section>.json alone (its samples go to "
+                             "build/<section>-nodoc.json)")
     parser.add_argument("--render", metavar="JSON", help="no launches: write the section from a saved record")
     args = parser.parse_args(argv)
     try:
@@ -652,15 +722,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         if os.geteuid() != 0:
             sys.exit("benchmarks.throughput creates network namespaces: run it as root")
         record = measure(args)
-        # the raw samples, to re-read or re-render (--render); a --no-doc trial keeps its own file,
-        # so that it never replaces the record behind the doc's section
-        saved = RECORD.with_name("throughput-nodoc.json") if args.no_doc else RECORD
+        # the raw samples, to re-read or re-render (--render)
+        saved = record_path(section_key(args.offload_compute), args.no_doc)
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(record))
         print(f"samples kept in {saved}")
-    text = render(record, None if args.no_doc else IMAGE)
+    key = section_key(bool(record["args"].get("offload_compute")))
+    text = render(record, None if args.no_doc else image_path(key))
     if not args.no_doc:
-        write_section("throughput", text)
+        write_section(key, text)
     print(text)
 
 

@@ -20,7 +20,8 @@ it predicts:
   leaves Horovod's background loop out, ``Launch.reduction_cpu``) beyond what those threads burn
   idle over as long (in training that is already inside the compute time) is taken from
   compute when the two run side by side, so ``l_comm f/(1+f) = X``, X scaled to wall time by the
-  share of a core the rank got for compute alone (other jobs took the rest);
+  share of a core the rank got for compute alone (other jobs took the rest); f = 0 when compute
+  runs off the cores (``--offload-compute``: it waits and holds no core);
 * the overlap h of a width-1 step (``sync_iteration_time``), from its buckets: a bucket starts
   once its gradients are in, so the backward pass after the first bucket is ready can hide
   communication and the last bucket's cannot be hidden: ``h = min(1 - s_last, bwd (1 - s_first)
@@ -113,6 +114,19 @@ class Launch:
     def core_share(self) -> float:
         """CPU seconds per second a rank got while computing alone (1.0: a whole core)."""
         return min(1.0, sum(self.cpu_per_step("compute")) / self.compute)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether compute ran off the cores (the worker's ``--offload-compute``: waits as long as
+        the real forward and backward passes, as an accelerator's step looks from the host)."""
+        return bool(self.raw.get("offloaded"))
+
+    def compute_delay(self, cpu: float) -> float:
+        """Wall time compute loses to ``cpu`` seconds of the rank's other threads running beside
+        it. With one core per rank, all of it, at the share of a core the rank got for compute alone
+        (other jobs took the rest). Compute off the cores waits on its device and holds no core:
+        it loses none (the host work left in a step, the update, is in the compute time)."""
+        return 0.0 if self.offloaded else cpu / self.core_share()
 
     def comm_cpu(self, codec: str) -> float:
         """CPU seconds (all threads) one all-reduce of ``codec`` costs a rank, timed alone."""
@@ -216,7 +230,7 @@ def extra_cpu(launch: Launch, codec: str) -> float:
 def interference(launch: Launch, codec: str, comm: float) -> float:
     """f such that ``pipelined_iteration_time`` adds the all-reduce's extra CPU time (as wall
     time at this rank's core share) to compute: ``comm f/(1+f) = X``."""
-    delay = extra_cpu(launch, codec) / launch.core_share()
+    delay = launch.compute_delay(extra_cpu(launch, codec))
     share = min(0.95, delay / max(comm, 1e-9))
     return share / (1.0 - share)
 
@@ -315,13 +329,19 @@ def horovods_share(launch: Launch, key: str) -> str:
 
 def cause(launch: Launch, key: str) -> str:
     """The measured reason a pipelined step is slower than wanted: the rank's one core when
-    compute plus the all-reduce's CPU exceeds the all-reduce, else the all-reduce itself."""
+    compute plus the all-reduce's CPU exceeds the all-reduce, else the all-reduce itself; with
+    compute off the cores and the all-reduce within compute, the schedule itself."""
     codec = codec_of(key)
     main, other = launch.cpu_per_step(key)
     x = extra_cpu(launch, codec)
     loop = (f"the engine-free loop took {launch.loop(key) * 1e3:.0f} ms (engine / loop = "
             f"{launch.median(key) / launch.loop(key):.2f})")
-    cpu_bound = launch.compute + x / launch.core_share()
+    cpu_bound = launch.compute + launch.compute_delay(x)
+    if launch.offloaded and launch.comm(codec) <= launch.compute:
+        return (f"the schedule, with compute off the cores (it held no core): {loop}; the {codec} all-reduce alone "
+                f"{launch.comm(codec) * 1e3:.0f} ms, compute alone {launch.compute * 1e3:.0f} ms; in training the "
+                f"rank's threads used {(main + other) * 1e3:.0f} ms CPU per step{horovods_share(launch, key)}, the "
+                f"machine {launch.machine_cores(key):.1f} cores")
     if cpu_bound > launch.comm(codec):
         return (f"CPU: {loop}; the all-reduce alone costs the rank {x * 1e3:.0f} ms CPU of its own (codec + "
                 f"transport), which compute loses on the rank's one core: compute + that = {cpu_bound * 1e3:.0f} ms "
@@ -348,8 +368,10 @@ def model_cause(launch: Launch, model: Model, key: str) -> str:
         return (f"{LABELS[key]} {step:.0f} ms vs compute + (1 - h) all-reduce = {model.step[key] * 1e3:.0f} ms: the "
                 f"model hides h = {h:.0%} of the all-reduce, the step hid {hidden:.0%}")
     codec = codec_of(key)
+    beside = (" (off the cores: the all-reduce's CPU takes none of it)" if launch.offloaded else
+              f" + its extra CPU {extra_cpu(launch, codec) * 1e3:.0f}")
     return (f"{LABELS[key]} {step:.0f} ms vs max(all-reduce {model.comm[codec] * 1e3:.0f}, compute "
-            f"{launch.compute * 1e3:.0f} + its extra CPU {extra_cpu(launch, codec) * 1e3:.0f}) = "
+            f"{launch.compute * 1e3:.0f}{beside}) = "
             f"{model.step[key] * 1e3:.0f} ms "
             f"(engine-free loop {launch.loop(key) * 1e3:.0f} ms)")
 

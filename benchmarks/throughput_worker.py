@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -136,6 +137,9 @@ class RankBench:
         self._calls = 0
         self._bucket_buffers: Dict[str, List[Any]] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-comm")
+        self.offloaded: Any = None
+        if args.offload_compute:
+            self.offloaded = self.offload_compute()
 
     # ------------------------------------------------------------------------------ plumbing
     def _make(self, key: str) -> Tuple[Any, Any]:
@@ -213,10 +217,31 @@ class RankBench:
         self.record(f"cpu-machine/{key}", (busy1 - busy0) / self.args.steps)
 
     # ------------------------------------------------------------------------------ training
+    def offload_compute(self) -> Any:
+        """``--offload-compute``: from here on, in every segment, waits stand in for the forward
+        and backward passes (``benchmarks/offloaded_compute.py``), as long as ``--device-times``
+        says, or else as the real passes took here (median of 5 steps after one, the slowest
+        rank's). Records the waits as ``device-forward`` and ``device-backward``."""
+        from .offloaded_compute import OffloadedCompute
+
+        model, opt = self.runs["compute"]
+        if self.args.device_times:
+            times = self.args.device_times
+        else:
+            for i in range(6):
+                self.step(model, opt, split=i > 0)
+            measured = [statistics.median(self.samples.pop(k)) for k in ("forward", "backward")]
+            self.samples.pop("update")
+            times = self.hvd.allreduce(self.torch.tensor(measured, dtype=self.torch.float64), op=self.hvd.Max,
+                                       name=self.horovod_name("offload")).tolist()
+        self.record("device-forward", times[0])
+        self.record("device-backward", times[1])
+        return OffloadedCompute(list(model), forward_s=times[0], backward_s=times[1])
+
     def step(self, model: Any, opt: Any, split: bool = False) -> None:
         opt.zero_grad()
         t0 = time.perf_counter()
-        loss = model(self.x).square().mean()
+        loss = self.offloaded.loss(list(model)) if self.offloaded is not None else model(self.x).square().mean()
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -417,7 +442,7 @@ class RankBench:
                     if key != "horovod" and key in self.runs}
             result = {"ranks": hvd.size(), "grad_bytes": self.numel * 4, "layers": args.layers, "configs": self.configs,
                       "row_bytes": self.row_bytes, "per_rank": everyone, "wire_ratio": wire, "int8_profile": profile,
-                      "auto": auto}
+                      "auto": auto, "offloaded": self.offloaded is not None}
             sys.stdout.write(MARKER + json.dumps(result) + "\n")
             sys.stdout.flush()
 
@@ -491,6 +516,17 @@ def profile_int8(hvd: Any, allreduce: Callable[[], Any]) -> List[Tuple[str, floa
     return [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in rows]
 
 
+def device_times(text: str) -> List[float]:
+    """``--device-times``: "FORWARD,BACKWARD" in seconds, each >= 0."""
+    try:
+        times = [float(t) for t in text.split(",")]
+    except ValueError:
+        times = []
+    if len(times) != 2 or min(times) < 0:
+        raise argparse.ArgumentTypeError(f"not FORWARD,BACKWARD in seconds (each >= 0): {text!r}")
+    return times
+
+
 def main(argv: List[str]) -> None:
     parser = argparse.ArgumentParser(description="one rank of benchmarks/throughput.py")
     parser.add_argument("--rounds", type=int, required=True)
@@ -504,7 +540,14 @@ def main(argv: List[str]) -> None:
                         help="comma list of the configurations to run (TRAINING keys and auto; '' for compute only)")
     parser.add_argument("--quick", action="store_true", help="no loops, collectives: the float32 all-reduce only")
     parser.add_argument("--progress", default="", help="file rank 0 appends a line to after each round")
-    RankBench(parser.parse_args(argv)).run()
+    parser.add_argument("--offload-compute", action="store_true",
+                        help="forward and backward as waits of their measured times (benchmarks/offloaded_compute.py)")
+    parser.add_argument("--device-times", type=device_times, default=None, metavar="FORWARD,BACKWARD",
+                        help="with --offload-compute: the waits, in seconds, instead of timing the real passes here")
+    args = parser.parse_args(argv)
+    if args.device_times is not None and not args.offload_compute:
+        parser.error("--device-times sets the waits of --offload-compute: pass both, or neither")
+    RankBench(args).run()
 
 
 if __name__ == "__main__":

@@ -196,3 +196,22 @@ def test_horovods_threads_are_left_out_of_an_all_reduces_cpu():
     miss = next(t for t in targets([slow], {0: fit_model(slow)}) if " truncate16 all-reduce's CPU" in t.name)
     assert not miss.met and miss.measured.startswith("60 ms = 30% of compute")
     assert "the rank's threads other than Horovod's burn 11 ms with nothing to do" in miss.cause
+
+
+def test_compute_off_the_cores_loses_nothing_to_the_all_reduces_cpu():
+    # int8's all-reduce (151 ms, 100 ms CPU) within compute (201 ms): on one core per rank the model
+    # bills compute that CPU and a miss is blamed on it; with compute off the cores (waits on its
+    # device, --offload-compute) it bills nothing: the bound is max(compute, all-reduce)
+    step, comm = dict(STEP, **{"w2-int8": 0.32}), dict(COMM, int8=0.15)
+    on_core = made_up(step, comm, CPU)
+    assert fit_model(on_core).step["w2-int8"] > 0.201 + 0.05
+    assert cause(on_core, "w2-int8").startswith("CPU:")
+    off = made_up(step, comm, CPU)
+    off.raw["offloaded"] = True
+    model = fit_model(off)
+    assert model.interference["int8"] == 0.0
+    for key, codec in (("w2-int8", "int8"), ("w2", "none")):
+        assert model.step[key] == pytest.approx(max(0.201, model.comm[codec]))
+    assert cause(off, "w2-int8").startswith("the schedule, with compute off the cores (it held no core): "
+                                            "the engine-free loop took 321 ms")
+    assert cause(off, "w2").startswith("the all-reduce:")                  # 0.8 s all-reduce > compute

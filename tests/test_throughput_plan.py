@@ -200,3 +200,65 @@ def test_the_report_says_how_horovods_cycle_was_set():
     rec["args"]["horovod_cycle_ms"] = 20.0
     assert "`HOROVOD_CYCLE_TIME=20` for every rank, Horovod's synchronous optimizer included" in \
         throughput.render(rec, None)
+
+
+def test_a_run_with_compute_off_the_cores_has_its_own_section_record_and_plot():
+    la = subset(("horovod", "w2"))
+    la.raw["offloaded"] = True
+    for r in la.raw["per_rank"]:
+        r["samples"].update({"device-forward": [0.07], "device-backward": [0.13]})
+    rec = record([la], [throughput.Setting(2, "155mbit", 1024, "rate set by --settings")])
+    assert throughput.render(rec, None).startswith("## Throughput on the emulated cluster")  # the flag decides
+    rec["args"]["offload_compute"] = True
+    text = throughput.render(rec, None)
+    assert text.startswith("## Throughput with compute off the cores (`benchmarks/throughput.py --offload-compute`")
+    # fixed --settings: each launch timed the real passes itself
+    assert "ms: 155mbit: forward 70, backward 130), then every step waited" in text and "not a GPU measurement" in text
+    assert "`build/throughput-offloaded.json`" in text and "(img/throughput-offloaded.png)" in text
+    assert "- **Compute off the cores.**" in text and "computing alone (off the cores) a rank used" in text
+    assert throughput.section_key(True) == "throughput-offloaded" and throughput.section_key(False) == "throughput"
+    assert throughput.record_path("throughput-offloaded", no_doc=True).name == "throughput-offloaded-nodoc.json"
+    assert throughput.image_path("throughput").name == "throughput.png"
+
+
+
+def test_compute_off_the_cores_waits_what_the_calibration_timed_in_every_launch():
+    def fake_launch(setting, args, quick, progress, configs):
+        assert throughput.offload_flags(args) == ["--offload-compute"]  # the calibration times the real passes
+        fit = CommFit(fixed=0.02, wire=128e6, efficiency=0.8)          # made_up's 16 MB on 2 ranks
+        la = made_up(STEP, dict(COMM, none=fit.comm(rate_bps(setting.rate))), CPU)
+        la.rate = setting.rate
+        forward = 0.06 if setting.rate == "2500mbit" else 0.08       # the second launch's compute was slower
+        for r in la.raw["per_rank"]:
+            r["samples"].update({"device-forward": [forward], "device-backward": [2 * forward]})
+        return la
+
+    args = throughput.argparse.Namespace(aims=[5.0], batch=512, rounds=3, steps=2, comm_reps=1, offload_compute=True)
+    cal = throughput.calibrate(args, None, launch=fake_launch)
+    assert cal["device_s"] == pytest.approx([0.07, 0.14])
+    args.device_times = cal["device_s"]
+    assert throughput.offload_flags(args) == ["--offload-compute", "--device-times", "0.070000,0.140000"]
+    assert throughput.offload_flags(throughput.argparse.Namespace(offload_compute=False)) == []
+    la = subset(("horovod", "w2"))
+    la.raw["offloaded"] = True
+    rec = record([la], [throughput.Setting(2, "155mbit", 1024, "aimed at comm ~5x compute", 5.0)],
+                 {"compute_s": 0.2, "points": [["2500mbit", 0.2, 0.07], ["132mbit", 0.2, 1.0]],
+                  "fit": dataclasses.asdict(FIT), "plans": [[5.0, "155mbit", 5.0]], "device_s": [0.07, 0.14]})
+    rec["args"]["offload_compute"] = True
+    assert "their mean: forward 70 ms, backward 140 ms), and every step of every launch waited" in \
+        throughput.render(rec, None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--offload-compute", "--device-times", "0.1"], "not FORWARD,BACKWARD in seconds (each >= 0): '0.1'"),
+    (["--offload-compute", "--device-times", "0.1,-1"], "not FORWARD,BACKWARD"),
+    (["--device-times", "0.1,0.2"], "--device-times sets the waits of --offload-compute: pass both, or neither"),
+])
+def test_the_worker_refuses_device_times_it_cannot_wait(argv, message, capsys, monkeypatch):
+    from benchmarks import throughput_worker
+
+    monkeypatch.setattr(throughput_worker, "RankBench", lambda args: pytest.fail("started"))
+    base = ["--rounds", "1", "--steps", "1", "--comm-reps", "1", "--batch", "8", "--dim", "8", "--layers", "1"]
+    with pytest.raises(SystemExit):
+        throughput_worker.main(base + argv)
+    assert message in capsys.readouterr().err

@@ -1,0 +1,83 @@
+"""Compute off the host's cores: a training step's forward and backward passes as an accelerator
+runs them, seen from the host (``benchmarks/throughput.py --offload-compute``).
+
+Why: on this machine each rank's compute owns one of the two cores, so every millisecond the
+pipeline's threads (codec, transport) or Horovod's spend is taken from compute, and a pipelined
+step cannot reach max(compute, all-reduce), engine or not (docs/benchmarks.md, "throughput"). On a
+GPU the host thread only launches kernels and waits, and the pipeline's threads have a core. This
+module stands in for that, to tell the schedule's own cost from the core it shares:
+
+* the forward pass is a wait of the forward time that was measured for the real model;
+* the backward pass waits the measured backward time in one slice per layer, last layer first,
+  and each layer's gradients arrive after its slice, so hooks fire layer by layer as in a real
+  backward pass (Horovod's optimizer starts each all-reduce there; pipesgd's fills its buckets);
+* each gradient is a fixed tensor that autograd copies into ``.grad``: the one write per step of
+  a real backward pass, on the host.
+
+The waits sleep: they hold neither a core nor the GIL, as a host thread blocked on its device
+holds none. Everything else (the optimizer, the engine, the reductions) runs as in the real step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, List, Sequence
+
+import torch
+
+
+class _DeviceWait(torch.autograd.Function):
+    """Identity whose backward first waits ``seconds``: one layer's share of the backward pass."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _LayerGradients(torch.autograd.Function):
+    """A zero scalar whose backward hands each parameter its fixed gradient (autograd copies it
+    into ``.grad``: the tensors are held here, so it cannot take them)."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: Sequence[torch.Tensor], *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.grads = grads
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> Any:  # type: ignore[override]
+        return (None, *ctx.grads)
+
+
+class OffloadedCompute:
+    """Forward and backward of ``layers`` (a model's layers, in forward order) taking
+    ``forward_s`` and ``backward_s`` of wall time and next to no host CPU."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], forward_s: float, backward_s: float, seed: int = 0) -> None:
+        if forward_s < 0 or backward_s < 0:
+            raise ValueError(f"device times must be >= 0, got forward {forward_s} s, backward {backward_s} s")
+        if not layers:
+            raise ValueError("no layers: an offloaded step needs at least one layer with parameters")
+        generator = torch.Generator().manual_seed(seed)
+        self.forward_s, self.backward_s = forward_s, backward_s
+        # the fixed gradient of each layer's parameters, by position: every model of the launch has
+        # the same shapes
+        self.grads: List[List[torch.Tensor]] = [
+            [torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in layer.parameters()] for layer in layers]
+
+    def loss(self, layers: Sequence[torch.nn.Module]) -> torch.Tensor:
+        """The step's "loss": waits the forward time, then builds the chain whose backward waits
+        a slice per layer and gives each layer its gradients, the last layer's first."""
+        if len(layers) != len(self.grads):
+            raise ValueError(f"built for {len(self.grads)} layers, given {len(layers)}")
+        time.sleep(self.forward_s)
+        share = self.backward_s / len(layers)
+        total: Any = None
+        for layer, grads in zip(layers, self.grads):
+            term = _LayerGradients.apply(grads, *layer.parameters())
+            total = _DeviceWait.apply(term if total is None else total + term, share)
+        return total
