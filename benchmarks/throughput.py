@@ -421,7 +421,7 @@ def findings(launches: Sequence[Launch]) -> str:
         + ("Compute waits on its stand-in device and holds no core, so that CPU takes nothing from it: a pipelined "
            "step can reach max(compute, its all-reduce)" if offloaded else
            "Compute owns the core, so that CPU is taken from it: a pipelined step cannot beat compute + that CPU, "
-           "whatever the link")
+           "whatever the link (section \"throughput-offloaded\": the same launches with compute off the cores)")
         + (f"; the machine was {min(busy):.1f}-{max(busy):.1f} cores busy in the pipelined rows that missed their "
            "bound." if busy else "."),
         f"- **The compressed all-reduce's wire.** Sent per rank, Mbit/s: {rates}. "
