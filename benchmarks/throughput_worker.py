@@ -13,6 +13,9 @@ load of the shared machine hits all configurations alike. Per round:
   that is time compute loses when the collective runs beside it;
 * a float32 add of the gradient (the reduction cost gamma).
 
+With ``--offload-compute``, every step's forward and backward passes are waits of their measured
+times (``benchmarks/offloaded_compute.py``): compute as an accelerator's step looks from the host.
+
 Rank 0 prints one JSON line (``MARKER``) holding every rank's samples; the driver analyses it.
 """
 from __future__ import annotations
@@ -21,17 +24,21 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import math
 import os
 import resource
 import statistics
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pipesgd_hvd.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
 from .thread_cpu import ThreadGroupClock, native_thread_ids
+
+if TYPE_CHECKING:
+    from .offloaded_compute import OffloadedCompute
 
 MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
@@ -137,7 +144,7 @@ class RankBench:
         self._calls = 0
         self._bucket_buffers: Dict[str, List[Any]] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-comm")
-        self.offloaded: Any = None
+        self.offloaded: Optional["OffloadedCompute"] = None
         if args.offload_compute:
             self.offloaded = self.offload_compute()
 
@@ -217,7 +224,7 @@ class RankBench:
         self.record(f"cpu-machine/{key}", (busy1 - busy0) / self.args.steps)
 
     # ------------------------------------------------------------------------------ training
-    def offload_compute(self) -> Any:
+    def offload_compute(self) -> "OffloadedCompute":
         """``--offload-compute``: from here on, in every segment, waits stand in for the forward
         and backward passes (``benchmarks/offloaded_compute.py``), as long as ``--device-times``
         says, or else as the real passes took here (median of 5 steps after one, the slowest
@@ -517,12 +524,12 @@ def profile_int8(hvd: Any, allreduce: Callable[[], Any]) -> List[Tuple[str, floa
 
 
 def device_times(text: str) -> List[float]:
-    """``--device-times``: "FORWARD,BACKWARD" in seconds, each >= 0."""
+    """``--device-times``: "FORWARD,BACKWARD" in seconds, each finite and >= 0."""
     try:
         times = [float(t) for t in text.split(",")]
     except ValueError:
         times = []
-    if len(times) != 2 or min(times) < 0:
+    if len(times) != 2 or not all(math.isfinite(t) and t >= 0 for t in times):
         raise argparse.ArgumentTypeError(f"not FORWARD,BACKWARD in seconds (each >= 0): {text!r}")
     return times
 

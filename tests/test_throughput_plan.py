@@ -252,6 +252,7 @@ def test_compute_off_the_cores_waits_what_the_calibration_timed_in_every_launch(
 @pytest.mark.parametrize("argv, message", [
     (["--offload-compute", "--device-times", "0.1"], "not FORWARD,BACKWARD in seconds (each >= 0): '0.1'"),
     (["--offload-compute", "--device-times", "0.1,-1"], "not FORWARD,BACKWARD"),
+    (["--offload-compute", "--device-times", "nan,0.1"], "not FORWARD,BACKWARD"),
     (["--device-times", "0.1,0.2"], "--device-times sets the waits of --offload-compute: pass both, or neither"),
 ])
 def test_the_worker_refuses_device_times_it_cannot_wait(argv, message, capsys, monkeypatch):
