@@ -172,13 +172,15 @@ def cycle_line(cycle_ms: float) -> str:
             "Horovod's default")
 
 
-def offload_flags(args: argparse.Namespace) -> List[str]:
+def offload_flags(args: argparse.Namespace, batch: int) -> List[str]:
     """The worker's flags for compute off the cores: its waits fixed once the calibration has
-    measured them (``args.device_times``), so that every aimed launch waits the same."""
+    measured them (``args.device_times``, for ``args.batch``), so that every aimed launch waits the
+    same; a launch of another batch (the 4-host one) times its own."""
     if not getattr(args, "offload_compute", False):
         return []
     times = getattr(args, "device_times", None)
-    return ["--offload-compute", *(["--device-times", ",".join(f"{t:.6f}" for t in times)] if times else [])]
+    fixed = times is not None and batch == args.batch
+    return ["--offload-compute", *(["--device-times", ",".join(f"{t:.6f}" for t in times)] if fixed else [])]
 
 
 def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "", quick: bool = False,
@@ -197,7 +199,7 @@ def run_launch(setting: Setting, args: argparse.Namespace, controller: str = "",
                str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch), "--dim",
                str(args.dim), "--layers", str(args.layers), "--progress", str(lines),
                "--configs", ",".join(args.configs if configs is None else configs)] + (["--quick"] if quick else []) \
-            + offload_flags(args)
+            + offload_flags(args, setting.batch)
         env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
                **horovod_cycle_env(args.horovod_cycle_ms)}
         waited, busy = wait_for_quiet(args.max_quiet_wait)
@@ -568,13 +570,18 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             "launches": [dataclasses.asdict(la) for la in launches], "pair": [dataclasses.asdict(la) for la in pair]}
 
 
-def offload_block(launches: Sequence[Launch], calibration: Optional[Dict[str, Any]]) -> str:
-    """How a run with compute off the cores stood in for compute, and for how long."""
+def offload_block(launches: Sequence[Launch], calibration: Optional[Dict[str, Any]], batch: int) -> str:
+    """How a run with compute off the cores stood in for compute, and for how long (``batch``:
+    the calibration's, whose times the launches of that batch waited)."""
+    own = [la for la in launches if la.batch != batch]
     if calibration is not None and "device_s" in calibration:
         forward, backward = calibration["device_s"]
         timed = ("the calibration's two launches timed the real forward and backward passes (each the slowest "
                  f"rank's median of 5 steps after one; their mean: forward {ms(forward)} ms, backward "
-                 f"{ms(backward)} ms), and every step of every launch waited as long instead")
+                 f"{ms(backward)} ms), and every step of every launch of batch {batch} waited as long instead"
+                 + "".join(f"; the {la.hosts}-host launch (batch {la.batch}) timed its own: forward "
+                           f"{ms(la.median('device-forward'))} ms, backward {ms(la.median('device-backward'))} ms"
+                           for la in own))
     else:
         timed = ("each launch first timed the real forward and backward passes (the slowest rank's median of 5 "
                  "steps after one; ms: " + "; ".join(f"{la.rate}: forward {ms(la.median('device-forward'))}, backward "
@@ -620,7 +627,7 @@ Setup: ranks one per host: network namespaces behind a bridge, each host's egres
 {args.controller} controller (`benchmarks/cluster/`), {cycle_line(getattr(args, "horovod_cycle_ms", 0.0))}. Model: {args.layers} x Linear({args.dim}, {args.dim}),
 {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, one torch thread per rank, SGD; the link rate sets
 comm/compute.
-{offload_block(launches, record.get("calibration")) if offloaded else ""}{calibration_block(record.get("calibration"))}
+{offload_block(launches, record.get("calibration"), args.batch) if offloaded else ""}{calibration_block(record.get("calibration"))}
 Every configuration ran {args.rounds} rounds of {args.steps} timed steps (after one untimed step that
 refills the pipeline; flushed after), interleaved with the others; step times are medians of the slowest rank.
 

@@ -209,7 +209,7 @@ def test_a_run_with_compute_off_the_cores_has_its_own_section_record_and_plot():
         r["samples"].update({"device-forward": [0.07], "device-backward": [0.13]})
     rec = record([la], [throughput.Setting(2, "155mbit", 1024, "rate set by --settings")])
     assert throughput.render(rec, None).startswith("## Throughput on the emulated cluster")  # the flag decides
-    rec["args"]["offload_compute"] = True
+    rec["args"].update(offload_compute=True, batch=1024)
     text = throughput.render(rec, None)
     assert text.startswith("## Throughput with compute off the cores (`benchmarks/throughput.py --offload-compute`")
     # fixed --settings: each launch timed the real passes itself
@@ -224,7 +224,7 @@ def test_a_run_with_compute_off_the_cores_has_its_own_section_record_and_plot():
 
 def test_compute_off_the_cores_waits_what_the_calibration_timed_in_every_launch():
     def fake_launch(setting, args, quick, progress, configs):
-        assert throughput.offload_flags(args) == ["--offload-compute"]  # the calibration times the real passes
+        assert throughput.offload_flags(args, setting.batch) == ["--offload-compute"]  # it times the real passes
         fit = CommFit(fixed=0.02, wire=128e6, efficiency=0.8)          # made_up's 16 MB on 2 ranks
         la = made_up(STEP, dict(COMM, none=fit.comm(rate_bps(setting.rate))), CPU)
         la.rate = setting.rate
@@ -237,15 +237,22 @@ def test_compute_off_the_cores_waits_what_the_calibration_timed_in_every_launch(
     cal = throughput.calibrate(args, None, launch=fake_launch)
     assert cal["device_s"] == pytest.approx([0.07, 0.14])
     args.device_times = cal["device_s"]
-    assert throughput.offload_flags(args) == ["--offload-compute", "--device-times", "0.070000,0.140000"]
-    assert throughput.offload_flags(throughput.argparse.Namespace(offload_compute=False)) == []
-    la = subset(("horovod", "w2"))
-    la.raw["offloaded"] = True
-    rec = record([la], [throughput.Setting(2, "155mbit", 1024, "aimed at comm ~5x compute", 5.0)],
+    assert throughput.offload_flags(args, 512) == ["--offload-compute", "--device-times", "0.070000,0.140000"]
+    assert throughput.offload_flags(args, 256) == ["--offload-compute"]  # another batch: its own times
+    assert throughput.offload_flags(throughput.argparse.Namespace(offload_compute=False), 512) == []
+    two, four = subset(("horovod", "w2")), subset(("horovod", "w2"))
+    two.batch, four.hosts, four.batch = 512, 4, 256
+    for la in (two, four):
+        la.raw["offloaded"] = True
+        for r in la.raw["per_rank"]:
+            r["samples"].update({"device-forward": [0.03], "device-backward": [0.05]})
+    rec = record([two, four], [throughput.Setting(2, "155mbit", 512, "aimed at comm ~5x compute", 5.0),
+                               throughput.Setting(4, "155mbit", 256, "4 ranks on 2 cores")],
                  {"compute_s": 0.2, "points": [["2500mbit", 0.2, 0.07], ["132mbit", 0.2, 1.0]],
                   "fit": dataclasses.asdict(FIT), "plans": [[5.0, "155mbit", 5.0]], "device_s": [0.07, 0.14]})
-    rec["args"]["offload_compute"] = True
-    assert "their mean: forward 70 ms, backward 140 ms), and every step of every launch waited" in \
+    rec["args"].update(offload_compute=True, batch=512)
+    assert ("their mean: forward 70 ms, backward 140 ms), and every step of every launch of batch 512 waited as long "
+            "instead; the 4-host launch (batch 256) timed its own: forward 30 ms, backward 50 ms") in \
         throughput.render(rec, None)
 
 
