@@ -270,3 +270,14 @@ def test_the_worker_refuses_device_times_it_cannot_wait(argv, message, capsys, m
     with pytest.raises(SystemExit):
         throughput_worker.main(base + argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_findings_say_whether_the_bare_schedule_missed_where_the_engine_did():
+    # int8: step 0.6 s against its bound 0.451 s (the all-reduce), the engine-free loop as slow
+    la = made_up(dict(STEP, **{"w2-int8": 0.6}), COMM, CPU)
+    assert throughput.loop_misses([la]) == "Of the 1 width-2 rows more than 10% over their bound, the engine-free " \
+                                           "loop was too in 1."
+    for r in la.raw["per_rank"]:
+        r["samples"]["loop-int8"] = [0.46] * 3                  # the bare schedule reached its bound
+    assert throughput.loop_misses([la]).endswith("the engine-free loop was too in 0.")
+    assert throughput.loop_misses([made_up(STEP, COMM, CPU)]) == "Every width-2 row came within 10% of its bound."
