@@ -221,7 +221,6 @@ def test_a_run_with_compute_off_the_cores_has_its_own_section_record_and_plot():
     assert throughput.image_path("throughput").name == "throughput.png"
 
 
-
 def test_compute_off_the_cores_waits_what_the_calibration_timed_in_every_launch():
     def fake_launch(setting, args, quick, progress, configs):
         assert throughput.offload_flags(args, setting.batch) == ["--offload-compute"]  # it times the real passes
