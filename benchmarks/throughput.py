@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .throughput_analysis import (LABELS, Launch, Model, Target, auto_target, background_cpu, fit_model,
-                                  phase_rates, speedup, targets, width1_buckets)
+                                  over_bound, phase_rates, speedup, targets, width1_buckets)
 from .throughput_plan import (AIMS, FIRST_RATE, CommFit, fit_comm, off_aim, plan_rate, rate_bps, second_rate,
                               select_configs)
 from .throughput_worker import AUTO, CODECS, MARKER, TRAINING
@@ -390,10 +390,10 @@ def loop_misses(launches: Sequence[Launch]) -> str:
     """Of the width-2 rows that missed their bound by more than 10%, how many the engine-free loop
     missed too: where it did, the machine is the limit; where it did not, the engine."""
     missed = [(la, k) for la in launches for k in la.configs
-              if k.startswith("w2") and la.bound(k) < la.median(k) / 1.1]
+              if k.startswith("w2") and over_bound(la.bound(k), la.median(k))]
     if not missed:
         return "Every width-2 row came within 10% of its bound."
-    both = sum(la.bound(k) < la.loop(k) / 1.1 for la, k in missed)
+    both = sum(over_bound(la.bound(k), la.loop(k)) for la, k in missed)
     return (f"Of the {len(missed)} width-2 rows more than 10% over their bound, the engine-free loop was too in "
             f"{both}.")
 
@@ -412,7 +412,7 @@ def findings(launches: Sequence[Launch]) -> str:
     idle = [background_cpu(la, 1.0) for la in two]
     own = ", ".join(f"{c} {ms(statistics.median(la.reduction_cpu(c) for la in two))}" for c in codecs)
     busy = [la.machine_cores(k) for la in two for k in la.configs
-            if k.startswith("w2-") and la.bound(k) < la.median(k) / 1.1]
+            if k.startswith("w2-") and over_bound(la.bound(k), la.median(k))]
     rates = "; ".join(f"{la.rate}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in phase_rates(la).items()) for la in two)
     slow = max(two, key=lambda la: la.comm("none") / la.compute) if two else None
     offloaded = any(la.offloaded for la in launches)

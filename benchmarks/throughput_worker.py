@@ -232,7 +232,7 @@ class RankBench:
         from .offloaded_compute import OffloadedCompute
 
         model, opt = self.runs["compute"]
-        if self.args.device_times:
+        if self.args.device_times is not None:
             times = self.args.device_times
         else:
             for i in range(6):

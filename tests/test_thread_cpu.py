@@ -43,6 +43,10 @@ def test_a_group_clock_counts_its_threads_cpu_and_no_other():
         done.set()
         for t in threads:
             t.join()
+    # join() returns before the kernel has reaped the thread: wait until it has left the process
+    deadline = time.monotonic() + 10
+    while {ids["spin"], ids["sleep"]} & native_thread_ids() and time.monotonic() < deadline:
+        time.sleep(0.01)
     # ended threads keep their last reading: the sum does not go back
     assert both.read() >= 0.2
     with pytest.raises(OSError):
