@@ -360,7 +360,7 @@ def correction_cost(task: str, steps: int = 300, rounds: int = 5) -> Dict[str, f
 
     import pipesgd_hvd.torch as psgd
     from pipesgd_hvd.comm.local import LocalWorld
-    from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+    from pipesgd_hvd.ops.torch import TORCH_OPS
 
     torch.set_num_threads(1)
     x_train, _, y_train, _ = load(task)

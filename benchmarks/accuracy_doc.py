@@ -269,7 +269,7 @@ def keep_block(doc: Path = DOC) -> str:
 
 def document(results: Sequence[Mapping[str, Any]], cost: Mapping[str, float], elapsed: float, machine: str,
              by_key: Mapping[str, Any], tasks: Mapping[str, Any], kept: str = "") -> str:
-    from pipesgd_hvd.staleness_corrections import DEFAULT_DC_LAMBDA
+    from pipesgd_hvd.staleness.formulas import DEFAULT_DC_LAMBDA
 
     verdicts = [verdict(r, by_key) for r in results]
     optimizers = {o: sum(v["optimizer"] == o for v in verdicts)

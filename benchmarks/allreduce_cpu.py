@@ -23,7 +23,7 @@ import torch
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce, padded_numel
-from pipesgd_hvd.frameworks.torch_ops import TorchOps
+from pipesgd_hvd.ops.torch import TorchOps
 
 CODEC_METHODS = ("encode", "encode_ef", "decode", "decode_sum")
 

@@ -25,7 +25,7 @@ import torch
 from benchmarks.allreduce_cpu import path_label, profile
 from benchmarks.throughput import wait_for_quiet
 from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
-from pipesgd_hvd.frameworks.torch_ops import TorchOps
+from pipesgd_hvd.ops.torch import TorchOps
 
 CODECS: Dict[str, Callable[[], Codec]] = {
     "fp16": lambda: Cast("float16"),
@@ -92,7 +92,7 @@ def tensorflow_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str
     PyTorch copy of the same bytes."""
     import tensorflow as tf
 
-    from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps
+    from pipesgd_hvd.ops.tensorflow import TensorFlowOps
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -243,7 +243,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "memory stays mapped (`MALLOC_MMAP_THRESHOLD_=2^30 MALLOC_TRIM_THRESHOLD_=2^31`): that column "
         "is the kernels' own speed."
         + (" `TensorFlow (tf.function)`: the same codecs traced by TensorFlow (one thread), through the "
-           "same kernels inside `tf.numpy_function` (`pipesgd_hvd/frameworks/tf_kernels.py`); "
+           "same kernels inside `tf.numpy_function` (`pipesgd_hvd/compression/tf_kernels.py`); "
            "`TensorFlow reference (tf.function)`: its unfused tensor-op composition (`fused=False`). "
            "Each TensorFlow call is timed to its return (eager TensorFlow returns computed outputs), "
            "without `.numpy()`, which copies. What TensorFlow adds over PyTorch's fused row: the "

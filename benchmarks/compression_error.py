@@ -27,7 +27,7 @@ from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Compression, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.compression.codecs import Codec
-from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
+from pipesgd_hvd.ops.numpy import NUMPY_OPS
 
 WORKERS = (2, 4, 8, 16, 32, 64)
 NUMEL = 65_536          # values per worker's gradient

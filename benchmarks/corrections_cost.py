@@ -18,7 +18,7 @@ import torch
 
 import pipesgd_hvd.torch as psgd
 from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+from pipesgd_hvd.ops.torch import TORCH_OPS
 
 WIDTH, LAYERS = 1024, 4
 

@@ -51,7 +51,7 @@ import pipesgd_hvd.torch as psgd  # noqa: E402
 from benchmarks.gpu_check_ranks import CODECS, batch, digest, make_model, train  # noqa: E402
 from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.compression import Compression, Quantize, resolve_compression  # noqa: E402
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS, TorchOps  # noqa: E402
+from pipesgd_hvd.ops.torch import TORCH_OPS, TorchOps  # noqa: E402
 
 REFERENCE = TorchOps(fused=False)  # the codecs' tensor-op composition, on the CPU
 

@@ -30,7 +30,7 @@ OPS = ("a2a-int8", "ag-int8", "a2a-fp16", "ag-fp16", "ar-fp32")
 def payload_rows(codec_name: str, ranks: int) -> Tuple[int, int]:
     """(rows, bytes per row) of the encoded gradient the compressed all-reduce sends."""
     from pipesgd_hvd.compression import resolve_compression
-    from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+    from pipesgd_hvd.ops.torch import TORCH_OPS
 
     codec = resolve_compression(codec_name)
     cols = codec.padded_cols(-(-GRAD_ELEMS // ranks))
@@ -247,7 +247,7 @@ class MpiNonblocking(Transport):
 
     def __init__(self) -> None:
         from pipesgd_hvd.comm.mpi4py import Mpi4pyCommunicator
-        from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+        from pipesgd_hvd.ops.torch import TORCH_OPS
 
         comm = Mpi4pyCommunicator(TORCH_OPS)
         self.alltoall = lambda x: comm.alltoall_async(x, "a2a").wait()

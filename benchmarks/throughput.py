@@ -650,7 +650,7 @@ refills the pipeline; flushed after), interleaved with the others; step times ar
 - *Engine-free loop*: the same width-2 schedule without pipesgd (compute step t, start its all-reduce, wait
   for step t-1's, on a comm thread for byte codecs as the engine does): what this machine allows; step / loop
   is the engine's own overhead.
-- *Model* = `pipesgd_hvd.timing` fed with measurements of parts only, never with the training steps it
+- *Model* = `pipesgd_hvd.auto.model` fed with measurements of parts only, never with the training steps it
   predicts: the link fitted by `fit_link`, each codec's cost from its all-reduce timed alone, compute and its
   backward share, and the CPU each all-reduce costs a rank as the interference f
   (`benchmarks/throughput_analysis.py` says how).
@@ -662,7 +662,7 @@ refills the pipeline; flushed after), interleaved with the others; step times ar
   codec's all-reduce runs on the pipeline's own channel, so its CPU is that of the rank's other threads
   (the target's figure); Horovod's float32 all-reduce is billed all threads. What those threads burn with
   nothing to do, from an idle 0.25 s timed beside the collectives, is left out of the model's interference.
-- *pipesgd auto*: `width="auto", compression="auto"` (PyTorch; `pipesgd_hvd/auto.py`), run before the
+- *pipesgd auto*: `width="auto", compression="auto"` (PyTorch; `pipesgd_hvd/auto/rule.py`), run before the
   rounds until it decides (`auto_measure_steps=5`, no re-check), then timed like the others in the
   configuration it chose. Its model column is the chosen configuration's. Its target: within 10% of the
   fastest fixed configuration it could have chosen (width 1, width 2 with none, fp16, int8 or int4).

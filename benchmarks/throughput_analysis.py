@@ -3,7 +3,7 @@
 Input: the JSON a launch of ``benchmarks/throughput_worker.py`` prints. Every number here is
 derived from it; nothing is assumed about the machine.
 
-The model (``pipesgd_hvd.timing``) gets only measurements of parts, never of the training steps
+The model (``pipesgd_hvd.auto.model``) gets only measurements of parts, never of the training steps
 it predicts:
 
 * the link (alpha, bandwidth, gamma) from ``fit_link`` on float32 all-reduces of three sizes
@@ -27,7 +27,7 @@ it predicts:
   communication and the last bucket's cannot be hidden: ``h = min(1 - s_last, bwd (1 - s_first)
   / l_AR)``, s the bucket's share of the gradient (backward time taken as proportional to bytes).
   Horovod starts each layer as it is ready (``(L-1)/L`` both ways); pipesgd's buckets are those
-  ``pipesgd_hvd.fusion.plan_buckets`` gives the benchmark's model (one bucket: h = 0).
+  ``pipesgd_hvd.pipeline.fusion.plan_buckets`` gives the benchmark's model (one bucket: h = 0).
 """
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from pipesgd_hvd.timing import (CODECS as MODEL_CODECS, CodecParams, LinkParams, compressed_allreduce_time,
+from pipesgd_hvd.auto.model import (CODECS as MODEL_CODECS, CodecParams, LinkParams, compressed_allreduce_time,
                                 fit_link, pipelined_iteration_time, ring_allreduce_time,
                                 sync_iteration_time)
 
-from pipesgd_hvd.fusion import DEFAULT_FUSION_THRESHOLD
+from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 
 from .throughput_worker import AUTO, CODECS, TRAINING, fusion_buckets
 
@@ -48,7 +48,7 @@ LABELS = {"horovod": "Horovod DistributedOptimizer (sync)", "w1": "pipesgd width
           "w1-layer": "pipesgd width 1, one bucket per layer", "w2": "pipesgd width 2",
           **{f"w2-{c}": f"pipesgd width 2 + {c}{' (EF)' if c in ('int8', 'int4') else ''}" for c in CODECS},
           AUTO: "pipesgd auto"}
-#: The fixed configurations the auto mode chooses from (pipesgd_hvd.auto.CANDIDATES, width 1 or 2).
+#: The fixed configurations the auto mode chooses from (pipesgd_hvd.auto.rule.CANDIDATES, width 1 or 2).
 AUTO_CHOICES = ("w1", "w2", "w2-fp16", "w2-int8", "w2-int4")
 
 

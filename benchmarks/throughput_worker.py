@@ -33,7 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from pipesgd_hvd.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
+from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
 from .thread_cpu import ThreadGroupClock, native_thread_ids
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
 # "w1-layer": width 1 with buckets capped at one layer, as Horovod's per-tensor reductions: the
-# control for the default fusion plan (buckets that close early, pipesgd_hvd/fusion.py).
+# control for the default fusion plan (buckets that close early, pipesgd_hvd/pipeline/fusion.py).
 TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS))
 # "loop-<codec>": the pipelined schedule without the engine: compute step t, start its all-reduce,
 # wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
@@ -57,7 +57,7 @@ SEGMENTS = ("compute", *TRAINING, AUTO, *LOOPS)
 
 
 def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
-    """Values per bucket, in launch order, of pipesgd's fusion plan (``pipesgd_hvd.fusion``) for
+    """Values per bucket, in launch order, of pipesgd's fusion plan (``pipesgd_hvd.pipeline.fusion``) for
     the benchmark's model, ``layers`` x Linear(dim, dim) in float32, whose gradients are ready
     last layer first."""
     specs = [spec for i in range(layers) for spec in (TensorSpec(f"{i}.weight", (dim, dim), "float32"),
@@ -298,7 +298,7 @@ class RankBench:
         transfer's burst (at 130mbit the pipelined fp16 step was 546 ms against 647 ms for the
         one-call all-reduce)."""
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
-        from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+        from pipesgd_hvd.ops.torch import TORCH_OPS
 
         for i, (numel, buffer) in enumerate(zip(self.buckets, self.bucket_buffers(codec))):
             compressed_allreduce(TORCH_OPS, self.channel, self.codecs[codec], buffer, numel=numel,
@@ -376,7 +376,7 @@ class RankBench:
         where the next ones took 5-13)."""
         from pipesgd_hvd.compression import resolve_compression
         from pipesgd_hvd.compression.allreduce import padded_numel
-        from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+        from pipesgd_hvd.ops.torch import TORCH_OPS
 
         for c in self.timed_codecs:
             codec = resolve_compression(c)

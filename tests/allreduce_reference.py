@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from pipesgd_hvd.compression import resolve_compression
-from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS as ops
+from pipesgd_hvd.ops.numpy import NUMPY_OPS as ops
 
 
 def decoded_sum_reference(name: str, inputs: List[np.ndarray], residuals: Optional[Dict[str, Any]] = None) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A numpy ops table that counts what a compressed all-reduce copies into a padded bucket."""
-from pipesgd_hvd.frameworks.numpy_ops import NumpyOps
+from pipesgd_hvd.ops.numpy import NumpyOps
 
 
 class CountingOps(NumpyOps):

@@ -1,4 +1,4 @@
-"""A fake CUDA table (pipesgd_hvd/frameworks/torch_cuda.py's ``CudaTable``) for CPU-only machines.
+"""A fake CUDA table (pipesgd_hvd/ops/torch_cuda.py's ``CudaTable``) for CPU-only machines.
 
 Every tensor is reported on ``cuda:<default>`` (or on the device given for its storage with
 :meth:`FakeCuda.place`), streams and events are plain objects, and every call that matters for the

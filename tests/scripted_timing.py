@@ -3,8 +3,8 @@
 The optimizer's auto controller reads compute time from its clock and reduction times from its
 probe; the tests replace both so every rank sees exactly the numbers the test chose.
 """
-from pipesgd_hvd.auto_controller import model_name
-from pipesgd_hvd.timing import CODECS
+from pipesgd_hvd.auto.controller import model_name
+from pipesgd_hvd.auto.model import CODECS
 
 
 class FakeClock:

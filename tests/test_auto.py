@@ -1,7 +1,7 @@
 """The auto mode's decision rule, against hand-computed cases."""
 import pytest
 
-from pipesgd_hvd.auto import Measurements, decide, link_from_allreduce, settled
+from pipesgd_hvd.auto.rule import Measurements, decide, link_from_allreduce, settled
 
 MB = 2**20
 

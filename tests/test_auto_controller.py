@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import pipesgd_hvd.torch as psgd
-from pipesgd_hvd.auto import Measurements, decide_fixed
-from pipesgd_hvd.auto_controller import AutoController, AutoSettings, TimingProbe
+from pipesgd_hvd.auto.rule import Measurements, decide_fixed
+from pipesgd_hvd.auto.controller import AutoController, AutoSettings, TimingProbe
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
-from pipesgd_hvd.engine import AppliedStep
-from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
-from pipesgd_hvd.fusion import TensorSpec
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+from pipesgd_hvd.pipeline.engine import AppliedStep
+from pipesgd_hvd.ops.numpy import NUMPY_OPS
+from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.ops.torch import TORCH_OPS
 from reference import loss_fn, make_batches, make_model, mean_gradient
 from scripted_timing import FakeClock, ScriptedProbe
 from threads import run_threads
@@ -154,9 +154,9 @@ def test_one_of_the_two_fixed_stays_as_given():
 
 
 def test_decision_is_logged_on_rank_0_with_the_numbers(caplog):
-    with caplog.at_level(logging.INFO, logger="pipesgd_hvd.auto"):
+    with caplog.at_level(logging.INFO, logger="pipesgd_hvd.auto.rule"):
         train(5, [100, 100], [[200], [200]], auto_measure_steps=3, auto_recheck_every=0)
-    lines = [r.getMessage() for r in caplog.records if r.name == "pipesgd_hvd.auto"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipesgd_hvd.auto.rule"]
     assert len(lines) == 1, lines  # rank 0 only
     assert "width=2 compression=fp16" in lines[0] and "compute 100.0 ms/step" in lines[0]
     assert "all-reduce" in lines[0] and "200.0 ms" in lines[0]

@@ -18,8 +18,8 @@ import torch
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
-from pipesgd_hvd.frameworks.numpy_ops import NumpyOps
-from pipesgd_hvd.frameworks.torch_ops import TorchOps
+from pipesgd_hvd.ops.numpy import NumpyOps
+from pipesgd_hvd.ops.torch import TorchOps
 from codec_checks import assert_same_floats, comparable_bytes
 from threads import run_threads
 

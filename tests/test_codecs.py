@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from pipesgd_hvd.compression import Compression, ErrorFeedback, Quantize, resolve_compression
-from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+from pipesgd_hvd.ops.numpy import NUMPY_OPS
+from pipesgd_hvd.ops.torch import TORCH_OPS
 
 F32_DENORM_MIN = 2.0 ** -149
 

@@ -7,8 +7,8 @@ from pipesgd_hvd.comm.base import ReduceOp
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import allreduce_wire_bytes, compressed_allreduce, padded_numel, reduce_bucket
-from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
-from pipesgd_hvd.schedule import Seed
+from pipesgd_hvd.ops.numpy import NUMPY_OPS
+from pipesgd_hvd.ops.seeds import Seed
 from counting_ops import CountingOps
 from threads import run_threads
 

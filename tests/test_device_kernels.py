@@ -1,4 +1,4 @@
-"""Dispatch of the fused codec kernels on device tensors (compression/device_kernels.py).
+"""Dispatch of the fused codec kernels on device tensors (ops' kernel_device, compression/device_kernels.py).
 
 The Triton kernels themselves cannot run here (no GPU; benchmarks/gpu_check.py compares them bit
 for bit with the CPU reference on one). What this checks on the CPU, with a fake CUDA table: a
@@ -14,7 +14,7 @@ from fake_cuda import FakeCuda
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Compression, Quantize, Truncate, device_kernels, kernels, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
-from pipesgd_hvd.frameworks.torch_ops import TorchOps
+from pipesgd_hvd.ops.torch import TorchOps
 from threads import run_threads
 
 REFERENCE = TorchOps(fused=False)
@@ -80,7 +80,7 @@ def _reduce(ops, name, size=2):
 ])
 def test_device_tensors_reach_the_device_kernels_and_get_the_reference_result(monkeypatch, name, expected):
     stub = StubKernels()
-    monkeypatch.setattr(device_kernels, "load", lambda: stub)
+    monkeypatch.setattr(device_kernels, "load", lambda device: stub)
     got = _reduce(TorchOps(cuda=FakeCuda()), name)
     assert set(stub.calls) == expected
     for mine, ref in zip(got, _reduce(REFERENCE, name)):
@@ -103,7 +103,7 @@ def test_without_triton_device_tensors_run_the_reference_not_the_host_kernels(mo
 
     monkeypatch.setattr(kernels, "_native", NoHostKernels())
     try:
-        assert device_kernels.load() is None
+        assert device_kernels.load("cuda") is None
         ops = TorchOps(cuda=FakeCuda())
         for name in ("int8", "int4", "fp16"):
             for mine, ref in zip(_reduce(ops, name), _reduce(REFERENCE, name)):
@@ -113,6 +113,6 @@ def test_without_triton_device_tensors_run_the_reference_not_the_host_kernels(mo
 
 
 def test_host_tensors_never_load_the_device_kernels(monkeypatch):
-    monkeypatch.setattr(device_kernels, "load", lambda: pytest.fail("device kernels loaded for a host tensor"))
+    monkeypatch.setattr(device_kernels, "load", lambda device: pytest.fail("device kernels loaded for a host tensor"))
     _reduce(TorchOps(), "int8")
     assert kernels.accepts(TorchOps(), torch.zeros(2, 4))

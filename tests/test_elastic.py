@@ -1,6 +1,6 @@
 """Horovod elastic (``hvd.elastic.run`` + ``hvd.elastic.TorchState``) with the pipelined optimizer.
 
-The rule (``pipesgd_hvd/elastic.py``): a world change drops the old world's unwaited reductions
+The rule (``pipesgd_hvd/optimizer/elastic.py``): a world change drops the old world's unwaited reductions
 on every rank, a lost worker sends every survivor back to the last commit (its in-flight gradient
 included), and every rank of the new world, joining ones too, continues from rank 0's state.
 """
@@ -14,9 +14,9 @@ import torch
 
 import pipesgd_hvd.torch as psgd
 from launcher import HOROVODRUN, TESTS, run_command
-from pipesgd_hvd import elastic
+from pipesgd_hvd.optimizer import elastic
 from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+from pipesgd_hvd.ops.torch import TORCH_OPS
 from threads import run_threads
 
 
@@ -137,7 +137,7 @@ def test_abandon_drops_unwaited_steps_keeps_waited_ones_and_stops_the_engine():
 def test_torch_state_uses_our_handler_and_refuses_what_it_does_not_support_yet():
     import horovod.torch as hvd
 
-    from pipesgd_hvd.frameworks.torch_elastic import PipelinedOptimizerStateHandler
+    from pipesgd_hvd.torch.elastic_state import PipelinedOptimizerStateHandler
 
     comm = LocalWorld(1, TORCH_OPS).communicator(0)
     model = torch.nn.Linear(3, 2)

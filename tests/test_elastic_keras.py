@@ -1,7 +1,7 @@
 """Horovod elastic for Keras 3 (``pipesgd_hvd.keras.elastic``): KerasState with the pipelined
 optimizer, ``run``'s error mapping, the elastic callbacks, and a real elastic job.
 
-The rule (``pipesgd_hvd/elastic.py``, as for PyTorch): a commit settles the pipeline, a lost
+The rule (``pipesgd_hvd/optimizer/elastic.py``, as for PyTorch): a commit settles the pipeline, a lost
 worker sends every survivor back to the last commit (its pending gradient included), and every
 rank of a new world, joining ones too, continues from rank 0's state, traced anew.
 """
@@ -22,12 +22,12 @@ import pipesgd_hvd.keras as hvd  # noqa: E402
 from launcher import HOROVODRUN, TESTS, run_command  # noqa: E402
 from pipesgd_hvd.comm.base import PeerLostError  # noqa: E402
 from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
-from pipesgd_hvd.config import PipelineConfig  # noqa: E402
+from pipesgd_hvd.pipeline.config import PipelineConfig  # noqa: E402
 from pipesgd_hvd.compression import resolve_compression  # noqa: E402
-from pipesgd_hvd.frameworks.tf_elastic import lost_world, raise_lost_world_as_internal_error  # noqa: E402
-from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps  # noqa: E402
-from pipesgd_hvd.frameworks.tf_pipeline import GraphPipeline  # noqa: E402
-from pipesgd_hvd.fusion import TensorSpec  # noqa: E402
+from pipesgd_hvd.keras.elastic import lost_world, raise_lost_world_as_internal_error  # noqa: E402
+from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
+from pipesgd_hvd.tensorflow.pipeline import GraphPipeline  # noqa: E402
+from pipesgd_hvd.pipeline.fusion import TensorSpec  # noqa: E402
 from test_elastic import third_local_name  # noqa: E402
 from threads import run_threads  # noqa: E402
 

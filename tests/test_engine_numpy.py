@@ -15,12 +15,12 @@ import pytest
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
-from pipesgd_hvd.config import PipelineConfig
-from pipesgd_hvd.core.optimizer import OptimizerCore
-from pipesgd_hvd.core.options import PipelineOptions
-from pipesgd_hvd.engine import PipelineEngine
-from pipesgd_hvd.frameworks.numpy_ops import NUMPY_OPS
-from pipesgd_hvd.fusion import TensorSpec
+from pipesgd_hvd.pipeline.config import PipelineConfig
+from pipesgd_hvd.optimizer.core import OptimizerCore
+from pipesgd_hvd.optimizer.options import PipelineOptions
+from pipesgd_hvd.pipeline.engine import PipelineEngine
+from pipesgd_hvd.ops.numpy import NUMPY_OPS
+from pipesgd_hvd.pipeline.fusion import TensorSpec
 from counting_ops import CountingOps
 from threads import run_threads
 

@@ -1,4 +1,4 @@
-"""Closed-form tests of the fusion plan (pipesgd_hvd/fusion.py): which tensors share a bucket."""
+"""Closed-form tests of the fusion plan (pipesgd_hvd/pipeline/fusion.py): which tensors share a bucket."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ from typing import List, Sequence
 
 import pytest
 
-from pipesgd_hvd.fusion import (DEFAULT_FUSION_THRESHOLD, FIRST_BUCKET_BYTES, SPREAD, FusionLayout, TensorSpec,
+from pipesgd_hvd.pipeline.fusion import (DEFAULT_FUSION_THRESHOLD, FIRST_BUCKET_BYTES, SPREAD, FusionLayout, TensorSpec,
                                 bucket_targets, plan_buckets)
 
 KIB = 1024

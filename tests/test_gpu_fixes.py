@@ -16,12 +16,12 @@ import pipesgd_hvd.torch as psgd
 from launcher import rank_env, ROOT
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Compression, resolve_compression
-from pipesgd_hvd.config import PipelineConfig
-from pipesgd_hvd.engine import PipelineEngine
-from pipesgd_hvd.frameworks.torch_adapter import TorchAdapter
-from pipesgd_hvd.frameworks.torch_fingerprint import fingerprint
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
-from pipesgd_hvd.fusion import TensorSpec
+from pipesgd_hvd.pipeline.config import PipelineConfig
+from pipesgd_hvd.pipeline.engine import PipelineEngine
+from pipesgd_hvd.torch.adapter import TorchAdapter
+from pipesgd_hvd.torch.fingerprint import fingerprint
+from pipesgd_hvd.ops.torch import TORCH_OPS
+from pipesgd_hvd.pipeline.fusion import TensorSpec
 from reference import loss_fn, make_batches, make_model
 
 
@@ -41,7 +41,7 @@ def test_horovod_bf16_allreduce_and_async_completion():
         import torch, horovod.torch as hvd
         from fake_cuda import FakeCuda
         from pipesgd_hvd.comm.horovod_torch import HorovodTorchCommunicator
-        from pipesgd_hvd.frameworks.torch_ops import TorchOps
+        from pipesgd_hvd.ops.torch import TorchOps
         hvd.init()
         x = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
         out = HorovodTorchCommunicator(async_completion=False).allreduce_async_(x, "bf16").wait()
@@ -66,7 +66,7 @@ def test_mpi4py_refuses_device_parameters_at_construction_with_the_fix():
         import torch
         import pipesgd_hvd.torch as psgd
         from pipesgd_hvd.comm.mpi4py import Mpi4pyCommunicator
-        from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+        from pipesgd_hvd.ops.torch import TORCH_OPS
         model = torch.nn.Linear(2, 2, device="meta")
         try:
             psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

@@ -15,8 +15,8 @@ def test_entry_module_loads_only_its_framework(module, loads, not_loaded):
     assert result[not_loaded] is False, f"import {module} loaded {not_loaded}"
 
 
-@pytest.mark.parametrize("module", ["pipesgd_hvd.core.optimizer", "pipesgd_hvd.core.lifecycle", "pipesgd_hvd.engine",
-                                    "pipesgd_hvd.schedule", "pipesgd_hvd.frameworks.numpy_ops"])
+@pytest.mark.parametrize("module", ["pipesgd_hvd.optimizer.core", "pipesgd_hvd.optimizer.lifecycle", "pipesgd_hvd.pipeline.engine",
+                                    "pipesgd_hvd.pipeline.schedule", "pipesgd_hvd.ops.numpy"])
 def test_framework_free_layers_load_no_framework(module):
     result = measure(module)
     assert result["torch"] is False and result["tensorflow"] is False, f"import {module} loaded a framework"

@@ -173,7 +173,7 @@ def test_keras_frozen_peer_under_mpi_ends_the_survivor_after_pipesgd_timeout():
 
 
 def test_step_watchdog_ends_a_process_whose_step_is_stuck_and_spares_one_between_steps():
-    """The watchdog behind the Keras timeout (pipesgd_hvd.guards.StepWatchdog), on fake counters:
+    """The watchdog behind the Keras timeout (pipesgd_hvd.pipeline.guards.StepWatchdog), on fake counters:
     a step begun and never ended ends the process (status 1, PeerLostError line) once the timeout
     passes; a process between steps (begun == ended) may idle past it."""
     import subprocess
@@ -183,7 +183,7 @@ def test_step_watchdog_ends_a_process_whose_step_is_stuck_and_spares_one_between
     from launcher import ROOT
 
     def run(begun_ended: str) -> tuple:
-        code = ("import time\nfrom pipesgd_hvd.guards import StepWatchdog\n"
+        code = ("import time\nfrom pipesgd_hvd.pipeline.guards import StepWatchdog\n"
                 f"StepWatchdog(lambda: {begun_ended}, 0.5, 'a fake step')\ntime.sleep(3)\nprint('STILL RUNNING')")
         start = time.monotonic()
         done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -9,7 +9,7 @@ keras = pytest.importorskip("keras")
 
 import pipesgd_hvd.keras as psgd  # noqa: E402
 from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
-from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps  # noqa: E402
+from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
 
 
 def _fit(jit_compile):

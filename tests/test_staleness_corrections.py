@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipesgd_hvd.frameworks.numpy_ops import NumpyOps
-from pipesgd_hvd.staleness_corrections import adam_direction, delay_compensated, eager_mix
+from pipesgd_hvd.ops.numpy import NumpyOps
+from pipesgd_hvd.staleness.formulas import adam_direction, delay_compensated, eager_mix
 
 RNG = np.random.default_rng(0)
 G, W1, W0 = (RNG.standard_normal(50).astype(np.float32) for _ in range(3))

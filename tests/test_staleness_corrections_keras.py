@@ -1,4 +1,4 @@
-"""The staleness corrections of core/corrections.py in Keras 3's DistributedOptimizer: 2 in-process
+"""The staleness corrections of staleness/corrections.py in Keras 3's DistributedOptimizer: 2 in-process
 ranks at width 2 (eager) and 1 rank inside tf.function, against a plain Keras optimizer fed the
 corrected gradients (written out here with TensorFlow ops, bitwise); the refusals."""
 import numpy as np
@@ -9,7 +9,7 @@ keras = pytest.importorskip("keras")
 
 import pipesgd_hvd.keras as psgd  # noqa: E402
 from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
-from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps  # noqa: E402
+from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
 from threads import run_threads  # noqa: E402
 
 STEPS, LAM = 6, 0.5

@@ -1,4 +1,4 @@
-"""TensorFlow CPU tensors run the fused host kernels (frameworks/tf_kernels.py, via
+"""TensorFlow CPU tensors run the fused host kernels (compression/tf_kernels.py, via
 tf.numpy_function) and get the bits of the tensor-op reference, eagerly and inside tf.function."""
 import numpy as np
 import pytest
@@ -8,9 +8,9 @@ tf = pytest.importorskip("tensorflow")
 from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.compression import Cast, ErrorFeedback, Quantize, Truncate, kernels  # noqa: E402
 from pipesgd_hvd.compression.allreduce import compressed_allreduce  # noqa: E402
-from pipesgd_hvd.frameworks import tf_kernels  # noqa: E402
-from pipesgd_hvd.frameworks.tf_ops import TensorFlowOps  # noqa: E402
-from pipesgd_hvd.schedule import Seed  # noqa: E402
+from pipesgd_hvd.compression import tf_kernels  # noqa: E402
+from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
+from pipesgd_hvd.ops.seeds import Seed  # noqa: E402
 from codec_checks import assert_same_floats, comparable_bytes  # noqa: E402
 from threads import run_threads  # noqa: E402
 
@@ -192,13 +192,13 @@ def test_gpu_tensors_and_other_dtypes_keep_the_composition():
     @tf.function
     def probe(x):
         with tf.device("/GPU:0"):  # only traced, never run: the table decides at trace time
-            seen["gpu"] = FUSED.device_kernels(tf.identity(x))
+            seen["gpu"] = kernels.device_module(FUSED, tf.identity(x))
         with tf.device("/CPU:0"):
-            seen["cpu"] = FUSED.device_kernels(tf.identity(x))
-        seen["float64"] = FUSED.device_kernels(tf.cast(x, tf.float64))
-        seen["reference"] = REFERENCE.device_kernels(x)
+            seen["cpu"] = kernels.device_module(FUSED, tf.identity(x))
+        seen["float64"] = kernels.device_module(FUSED, tf.cast(x, tf.float64))
+        seen["reference"] = kernels.device_module(REFERENCE, x)
         return x
 
     probe.get_concrete_function(tf.TensorSpec((2, 4), tf.float32))
     assert seen == {"gpu": None, "cpu": tf_kernels, "float64": None, "reference": None}
-    assert FUSED.device_kernels(tf.zeros((2, 4))) is tf_kernels  # eager, on the CPU
+    assert kernels.device_module(FUSED, tf.zeros((2, 4))) is tf_kernels  # eager, on the CPU

@@ -1,4 +1,4 @@
-"""Closed-form tests of the timing model (pipesgd_hvd/timing.py): each formula by hand, its
+"""Closed-form tests of the timing model (pipesgd_hvd/auto/model.py): each formula by hand, its
 limits, the least-squares fits, and the CLI."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipesgd_hvd import timing
-from pipesgd_hvd.timing import (CODECS, CodecParams, LinkParams, compressed_allreduce_time, fit_codec, fit_link,
+from pipesgd_hvd.auto import model as timing
+from pipesgd_hvd.auto.model import (CODECS, CodecParams, LinkParams, compressed_allreduce_time, fit_codec, fit_link,
                                 pipelined_iteration_time, predict, ps_iteration_time, ring_allreduce_time, speedup,
                                 sync_iteration_time, total_time)
 
@@ -217,7 +217,7 @@ def test_cli_prints_table(capsys):
 
 def test_cli_writes_png(tmp_path):
     png = tmp_path / "speedup.png"
-    proc = subprocess.run([sys.executable, "-m", "pipesgd_hvd.timing", "--workers", "4", "--model-mb", "100",
+    proc = subprocess.run([sys.executable, "-m", "pipesgd_hvd.auto.model", "--workers", "4", "--model-mb", "100",
                            "--bandwidth-gbit", "10", "--compute-ms", "150", "--width", "2", "--plot", str(png)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

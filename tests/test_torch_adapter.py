@@ -6,7 +6,7 @@ import torch
 
 import pipesgd_hvd.torch as psgd
 from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+from pipesgd_hvd.ops.torch import TORCH_OPS
 from reference import loss_fn, make_batches, make_model
 from threads import run_threads
 
@@ -277,7 +277,7 @@ def test_staleness_correction_argument_and_resuming_with_it_switched_on_or_off()
 
 
 def test_checkpoint_entry_is_format_2_and_format_1_still_loads():
-    """One versioned entry (pipesgd_hvd/core/checkpoint.py); a checkpoint written before it (the
+    """One versioned entry (pipesgd_hvd/optimizer/checkpoint.py); a checkpoint written before it (the
     auto and prediction parts in keys of their own) loads the same."""
     world, batches = LocalWorld(1, TORCH_OPS), make_batches(6, 1)
     comm = world.communicator(0)

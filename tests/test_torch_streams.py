@@ -1,4 +1,4 @@
-"""The CUDA stream rules (pipesgd_hvd/frameworks/torch_cuda.py), checked on a CPU-only machine.
+"""The CUDA stream rules (pipesgd_hvd/ops/torch_cuda.py), checked on a CPU-only machine.
 
 A fake CUDA table (tests/fake_cuda.py) reports every tensor on a GPU other than cuda:0 and logs
 the stream calls. These tests prove that the pipeline makes the calls the rules require; they
@@ -10,13 +10,13 @@ import threading
 import torch
 
 from fake_cuda import FakeCuda
-from pipesgd_hvd.auto_controller import TimingProbe
+from pipesgd_hvd.auto.controller import TimingProbe
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Compression, resolve_compression
-from pipesgd_hvd.config import PipelineConfig
-from pipesgd_hvd.engine import PipelineEngine
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS, TorchOps
-from pipesgd_hvd.fusion import TensorSpec
+from pipesgd_hvd.pipeline.config import PipelineConfig
+from pipesgd_hvd.pipeline.engine import PipelineEngine
+from pipesgd_hvd.ops.torch import TORCH_OPS, TorchOps
+from pipesgd_hvd.pipeline.fusion import TensorSpec
 from threads import run_threads
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Protocol
 
-from ..tensor_ops import Tensor
+from ..ops.base import Tensor
 
 
 class ReduceOp(enum.Enum):

@@ -9,7 +9,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from ..frameworks.torch_ops import TORCH_OPS
+from ..ops.torch import TORCH_OPS
 from .base import PeerLostError, PolledHandle, ReduceOp, default_timeout
 
 _HVD_OPS = {ReduceOp.SUM: hvd.Sum, ReduceOp.AVERAGE: hvd.Average}

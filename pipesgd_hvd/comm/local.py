@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict, List, Tuple
 
-from ..tensor_ops import MutableTensorOps, Tensor
+from ..ops.base import MutableTensorOps, Tensor
 from .base import TIMEOUT_CAUSES, PeerLostError, ReduceOp, postscale_factor
 
 

@@ -11,8 +11,8 @@ from typing import Any, List, Optional
 import numpy as np
 from mpi4py import MPI
 
-from ..tensor_ops import MutableTensorOps, Tensor
-from .base import PolledHandle, ReduceOp, postscale_factor, default_timeout
+from ..ops.base import MutableTensorOps, Tensor
+from .base import PolledHandle, ReduceOp, default_timeout, postscale_factor
 
 _MPI_SUMMABLE = ("float32", "float64")
 

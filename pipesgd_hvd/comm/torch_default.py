@@ -37,7 +37,7 @@ def default_communicator(name: Optional[str] = None, *, collective: bool = True)
     if name is not None and name not in TRANSPORTS:
         raise ValueError(f"unknown communicator {name!r}: use 'channel', 'horovod', 'mpi4py' or 'torch.distributed'")
     if name == "mpi4py":
-        from ..frameworks.torch_ops import TORCH_OPS
+        from ..ops.torch import TORCH_OPS
         from .mpi4py import Mpi4pyCommunicator
 
         return Mpi4pyCommunicator(TORCH_OPS), None

@@ -18,9 +18,14 @@ from __future__ import annotations
 from typing import Callable, Optional, Tuple, Union
 
 from ..comm.base import Communicator, ReduceOp, postscale_factor
-from ..schedule import Seed, allreduce_wire_bytes
-from ..tensor_ops import ITEMSIZE, Tensor, TensorOps
+from ..ops.base import ITEMSIZE, Tensor, TensorOps
+from ..ops.seeds import Seed
 from .codecs import Codec
+
+
+def allreduce_wire_bytes(numel: int, dtype: str, size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` values: ``2 (N-1)/N * M``."""
+    return (2 * (size - 1) * numel * ITEMSIZE[dtype]) // size
 
 
 class Reduction:
@@ -97,7 +102,7 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
     rows = ops.reshape(values, (size, cols))
 
     # The transport's outputs may come from its own stream's memory (Horovod allocates them on its
-    # thread); they are decoded on this one, so they are recorded here (see frameworks/torch_cuda.py).
+    # thread); they are decoded on this one, so they are recorded here (see ops/torch_cuda.py).
     payload, ctx = codec.encode(ops, rows, key=f"{key}/send", seed=seed.child("send"))
     received = comm.alltoall_async(payload, f"{name}.a2a").wait()
     ops.record_use(received)

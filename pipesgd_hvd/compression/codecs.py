@@ -1,4 +1,4 @@
-"""Gradient codecs, written once for every framework against :class:`~pipesgd_hvd.tensor_ops.TensorOps`.
+"""Gradient codecs, written once for every framework against :class:`~pipesgd_hvd.ops.base.TensorOps`.
 
 The contract: ``encode(ops, x, key=, seed=) -> (payload, ctx)`` and ``decode(ops, payload, ctx)``.
 
@@ -26,7 +26,7 @@ import abc
 import sys
 from typing import Any, Dict, Optional, Tuple
 
-from ..tensor_ops import Tensor, TensorOps
+from ..ops.base import Tensor, TensorOps
 from . import kernels
 from .kernels import Kind
 

@@ -1,23 +1,38 @@
-"""Which fused kernels a device tensor gets: the Triton ones (``triton_kernels.py``) when
-``triton`` is importable, else none (the codecs then run their tensor-op reference, which on a
-GPU is several kernels per codec pass but correct).
+"""Which fused kernels a tensor without an address gets, by the device its table names
+(``TensorOps.kernel_device``):
 
-The Triton module is imported on first use by a CUDA tensor, never at import time: Triton is
-absent from CPU installs, and importing it costs seconds.
+* ``"cuda"``: the Triton kernels (``triton_kernels.py``) when ``triton`` is importable, else none
+  (the codecs then run their tensor-op reference, which on a GPU is several kernels per codec
+  pass but correct);
+* ``"tensorflow"``: the host kernels inside ``tf.numpy_function`` (``tf_kernels.py``) when the C
+  kernels are built, else none (with the same warning as the host path).
+
+Each module is imported on first use, never at import time: Triton is absent from CPU installs
+and importing it costs seconds, and TensorFlow is only there for its own tensors.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from types import ModuleType
 from typing import Optional
 
 
 @functools.lru_cache(maxsize=None)
-def load() -> Optional[ModuleType]:
-    """The Triton kernels module, or None when Triton cannot be imported (asked once per process)."""
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return None
-    return importlib.import_module("pipesgd_hvd.compression.triton_kernels")
+def load(device: str) -> Optional[ModuleType]:
+    """The kernels module for ``device`` (asked once per process and device), or None."""
+    if device == "cuda":
+        try:
+            importlib.import_module("triton")
+        except ImportError:
+            return None
+        return importlib.import_module("pipesgd_hvd.compression.triton_kernels")
+    if device == "tensorflow":
+        from . import kernels
+        if not kernels.available():
+            warnings.warn(kernels.UNAVAILABLE or "pipesgd_hvd's fused codec kernels are not loaded",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return importlib.import_module("pipesgd_hvd.compression.tf_kernels")
+    raise ValueError(f"no device kernels for {device!r}: a table's kernel_device() names 'cuda' or 'tensorflow'")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-from ..tensor_ops import Tensor, TensorOps
+from ..ops.base import Tensor, TensorOps
 from .codecs import Codec
 
 

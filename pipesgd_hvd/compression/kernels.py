@@ -11,9 +11,9 @@ built, or a tensor is not a C-contiguous host buffer of the expected dtype (a CU
 Triton, a TensorFlow GPU tensor, a table built with ``fused=False``). The codec then runs its unfused
 tensor-op composition, which is the reference the kernels are tested against bit for bit
 (tests/test_codec_kernels.py). Written once for every table: the only per-framework pieces are
-``TensorOps.kernel_address`` and ``TensorOps.device_kernels`` (CUDA tensors go to the Triton
+``TensorOps.kernel_address`` and ``TensorOps.kernel_device`` (CUDA tensors go to the Triton
 twins of these kernels, ``triton_kernels.py``, when Triton is importable; TensorFlow CPU tensors,
-which have no address inside a graph, to ``frameworks/tf_kernels.py``, which calls these
+which have no address inside a graph, to ``tf_kernels.py``, which calls these
 functions on numpy views of them inside ``tf.numpy_function``).
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import List, Optional, Sequence, Tuple
 
-from ..tensor_ops import Shape, Tensor, TensorOps
+from ..ops.base import Shape, Tensor, TensorOps
+from . import device_kernels
 
 try:
     from . import _kernels as _native
@@ -54,7 +55,7 @@ class Kind(enum.IntEnum):
 _CAST_BYTES = {Kind.FP16: 2, Kind.BF16: 2, Kind.TRUNC16: 2, Kind.TRUNC24: 3, Kind.FP16_SOFT: 2}
 _ALIGN = {"float32": 4, "uint8": 1}
 # Names of the cast layouts in the device kernels' interface. A device module lists those it
-# has in ``CAST_KINDS``: triton_kernels the 16-bit ones, frameworks/tf_kernels (which runs these
+# has in ``CAST_KINDS``: triton_kernels the 16-bit ones, tf_kernels (which runs these
 # host kernels) all four. Decoders take ``bf16``: whether the values are a float32's upper bytes
 # (a bfloat16 or a truncation; 2 or 3 bytes each, as the payload's row length says) or float16.
 _DEVICE_CAST_LAYOUTS = {Kind.FP16: "fp16", Kind.BF16: "bf16", Kind.TRUNC16: "truncate16",
@@ -81,13 +82,14 @@ def _usable(ops: TensorOps, x: Tensor) -> bool:
 def accepts(ops: TensorOps, x: Tensor) -> bool:
     """Whether the kernels can encode ``x`` (a float32 tensor of a table that allows them: on the
     host, or on a device that has kernels of its own)."""
-    return ops.dtype_name(x) == "float32" and (ops.device_kernels(x) is not None or _usable(ops, x))
+    return ops.dtype_name(x) == "float32" and (device_module(ops, x) is not None or _usable(ops, x))
 
 
-def _on_device(ops: TensorOps, x: Tensor) -> Optional[ModuleType]:
+def device_module(ops: TensorOps, x: Tensor) -> Optional[ModuleType]:
     """The device kernels for ``x`` (the Triton module for CUDA tensors, tf_kernels for TensorFlow
     CPU tensors), or None: host or reference."""
-    return ops.device_kernels(x)
+    device = ops.kernel_device(x)
+    return None if device is None else device_kernels.load(device)
 
 
 def _device_layout(device: ModuleType, kind: Kind) -> Optional[str]:
@@ -143,7 +145,7 @@ def quantize_encode(ops: TensorOps, x: Tensor, *, width: int, bits: int, noise: 
     is written into ``residual`` in place, or into a new tensor when ``residual`` is None or
     ``overwrite_residual`` is False (tf_kernels: ``residual`` is a view of TensorFlow's memory).
     """
-    device = _on_device(ops, x)
+    device = device_module(ops, x)
     if device is not None and ops.dtype_name(x) == "float32":
         return device.quantize_encode(x, width=width, bits=bits, noise=noise, residual=residual,
                                       error_feedback=error_feedback)
@@ -163,7 +165,7 @@ def quantize_encode(ops: TensorOps, x: Tensor, *, width: int, bits: int, noise: 
 
 def cast_encode(ops: TensorOps, x: Tensor, kind: Kind) -> Optional[Tensor]:
     """float32 rows -> uint8 rows of float16 / bfloat16 / the upper 2 or 3 bytes of each value."""
-    device = _on_device(ops, x)
+    device = device_module(ops, x)
     if device is not None:  # a layout the device has no kernel for (Triton: TRUNC24) runs the reference
         layout = _device_layout(device, kind)
         return device.cast_encode(x, layout=layout) if layout and ops.dtype_name(x) == "float32" else None
@@ -189,7 +191,7 @@ def _payload_address(ops: TensorOps, payload: Tensor, kind: Kind, cols: int, wid
 def decode(ops: TensorOps, payload: Tensor, kind: Kind, *, cols: int, width: int = 0,
            bits: int = 0) -> Optional[Tensor]:
     """uint8 rows -> float32 rows ``[rows, cols]``."""
-    device = _on_device(ops, payload)
+    device = device_module(ops, payload)
     if device is not None:
         if kind == Kind.QUANTIZE:
             return device.quantize_decode(payload, cols=cols, width=width, bits=bits)
@@ -209,7 +211,7 @@ def decode_sum(ops: TensorOps, payload: Tensor, kind: Kind, *, cols: int, scale:
                bits: int = 0) -> Optional[Tensor]:
     """uint8 rows -> ``[1, cols]`` float32: ``((0 + row0) + row1) + ...`` in rank order, then
     ``* scale`` unless it is 1 (float32 arithmetic, the reference's order of operations)."""
-    device = _on_device(ops, payload)
+    device = device_module(ops, payload)
     if device is not None:
         if kind == Kind.QUANTIZE:
             return device.quantize_decode_sum(payload, cols=cols, width=width, bits=bits, scale=scale)

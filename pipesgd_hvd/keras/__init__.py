@@ -9,19 +9,19 @@ metric average, learning-rate warm-up and schedule, best-model checkpoint), ``el
 ``ReplicaDriftError``, ``StepCountMismatchError``, ``PeerLostError``: the errors of
 ``docs/reliability.md``.
 """
+from horovod.tensorflow import allgather_object, broadcast_object  # noqa: F401 (handy for scripts)
 from horovod.tensorflow.keras import (  # noqa: F401
     Average, ProcessSet, Sum, add_process_set, allgather, allreduce, broadcast, ccl_built, cross_rank, cross_size,
     cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_initialized, local_rank,
     local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set,
     rocm_built, shutdown, size, start_timeline, stop_timeline)
-from horovod.tensorflow import allgather_object, broadcast_object  # noqa: F401 (handy for scripts)
 
 from ..comm.base import PeerLostError
 from ..compression import Compression
-from ..frameworks.keras_callbacks import broadcast_global_variables, broadcast_variables
-from ..frameworks.tensorflow import DistributedOptimizer, load_model
-from ..guards import ReplicaDriftError, StepCountMismatchError
+from ..pipeline.guards import ReplicaDriftError, StepCountMismatchError
+from ..tensorflow.optimizer import DistributedOptimizer, load_model
 from . import callbacks, elastic
+from .callbacks import broadcast_global_variables, broadcast_variables
 
 __all__ = ["Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
            "StepCountMismatchError", "Sum", "broadcast_global_variables", "broadcast_variables", "callbacks",

@@ -14,7 +14,7 @@ from pipesgd_hvd.comm.horovod_torch import HorovodTorchCommunicator
 from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
-from pipesgd_hvd.frameworks.torch_ops import TORCH_OPS
+from pipesgd_hvd.ops.torch import TORCH_OPS
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()

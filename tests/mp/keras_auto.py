@@ -72,8 +72,8 @@ def check_measured():
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("pipesgd_hvd.auto").addHandler(handler)
-    logging.getLogger("pipesgd_hvd.auto").setLevel(logging.INFO)
+    logging.getLogger("pipesgd_hvd.auto.rule").addHandler(handler)
+    logging.getLogger("pipesgd_hvd.auto.rule").setLevel(logging.INFO)
     model, opt, trace, history = fit(STEPS, auto_measure_steps=4, auto_recheck_every=5)
     assert [h[0] for h in history] == [4, 9, 14], history
     same_everywhere((trace, history), "measured")

@@ -121,7 +121,7 @@ for case in sys.argv[1:]:
         # tf.function loop and an eager loop. First while replicas agree (the checks run and pass),
         # then with rank 1 alone nudging one weight before step 7: with N = 5 every rank must fail at
         # step 10 naming that variable. Prints ``RAISED rank<r> <loop> <error type>: <message>``.
-        from pipesgd_hvd.guards import ReplicaDriftError
+        from pipesgd_hvd.pipeline.guards import ReplicaDriftError
 
         STEPS = 14
         x, y = rank_data(rank, STEPS)

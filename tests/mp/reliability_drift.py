@@ -11,7 +11,7 @@ import torch
 
 import pipesgd_hvd.torch as psgd
 from common import passed
-from pipesgd_hvd.guards import ReplicaDriftError
+from pipesgd_hvd.pipeline.guards import ReplicaDriftError
 from reference import loss_fn, make_batches, make_model
 
 hvd.init()

@@ -1,0 +1,154 @@
+"""``width="auto"`` / ``compression="auto"``: pick the configuration from measurements.
+
+The rule, from the timing model (``pipesgd_hvd.auto.model``), on numbers measured on the real cluster:
+
+* the compute time of a step (forward + backward + update, the slowest rank's median);
+* for each candidate codec, the reduction the pipeline would run with it (for ``none`` a float32
+  all-reduce of the whole gradient; for a byte codec our compressed all-reduce: encode,
+  alltoall, sum, allgather, decode), timed synchronously, and the CPU time it cost the rank.
+  Timing the real collective matters: on Horovod's Gloo controller the alltoall and allgather
+  that carry the byte codecs move about half the bits per second of its float32 all-reduce
+  (docs/benchmarks.md), so a model that predicts compressed times from the float32 link
+  under-estimates them. Candidates that were not timed are predicted by the model instead
+  (the link fitted to the float32 all-reduce, the codec's encode + decode cost, if measured);
+* a pipelined step is predicted at ``max(compute + reduction CPU, reduction)``: the reduction
+  hides behind compute, but the CPU it needs (the codec, the transport) is taken from compute,
+  which owns the rank's cores;
+* if the float32 all-reduce is under ``sync_fraction`` of compute, synchronous training costs at
+  most that fraction: width 1, no compression (no staleness, no loss);
+* otherwise width 2 with the least lossy codec (``none`` < ``fp16`` < ``int8`` < ``int4``) whose
+  predicted step is within ``tolerance`` of the fastest candidate's: communication hides under
+  compute if any codec can hide it, and a lossier codec is taken only when it is clearly faster.
+
+Since no pipelined step is faster than compute, a candidate within ``tolerance`` of compute
+alone cannot be beaten by more than that by a lossier one: the measuring loop stops there
+(:func:`settled`) and times no lossier codec.
+
+Every rank must decide from the same numbers: the adapter gathers all ranks' measurements first
+(their maxima are what the slowest rank sees), so :func:`decide` is a pure function of identical
+inputs and the choice is identical everywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+from .model import CODECS, LinkParams, compressed_allreduce_time, sync_iteration_time
+
+#: Candidates, least lossy first. fp16 keeps 11 significant bits (bf16 and truncate16 keep 8);
+#: the quantizers carry error feedback.
+CANDIDATES: Tuple[str, ...] = ("none", "fp16", "int8", "int4")
+#: A lossier codec must beat the least lossy good one by more than this share of a step.
+TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class Measurements:
+    ranks: int
+    gradient_bytes: int                 # float32 bytes reduced per step
+    compute_s: float                    # one step without communication (slowest rank)
+    allreduce_s: float                  # synchronous float32 all-reduce of the whole gradient
+    codec_s: Mapping[str, float] = field(default_factory=dict)          # one encode + decode of the gradient
+    reduction_s: Mapping[str, float] = field(default_factory=dict)      # timed reductions, per codec
+    reduction_cpu_s: Mapping[str, float] = field(default_factory=dict)  # the CPU each cost the rank
+
+
+@dataclass(frozen=True)
+class Decision:
+    width: int
+    compression: str
+    reason: str
+    predicted_s: Mapping[str, float]    # predicted iteration time per candidate (width 2; "sync" = width 1)
+
+    def describe(self) -> str:
+        times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.predicted_s.items())
+        return f"width={self.width} compression={self.compression}: {self.reason} (predicted per step: {times})"
+
+
+def link_from_allreduce(ranks: int, nbytes: int, seconds: float) -> LinkParams:
+    """Bandwidth that makes the ring formula give ``seconds`` for ``nbytes`` (latency taken as 0:
+    one size cannot split latency from bandwidth; a slight overestimate of what compression saves
+    on latency-bound links, none on bandwidth-bound ones)."""
+    share = 2 * (ranks - 1) / ranks
+    return LinkParams(alpha=0.0, bandwidth=max(share * nbytes / max(seconds, 1e-9), 1.0))
+
+
+def reduction_time(m: Measurements, name: str) -> float:
+    """The reduction with codec ``name``: as timed, else predicted from the float32 all-reduce."""
+    if name in m.reduction_s:
+        return m.reduction_s[name]
+    if name == "none":
+        return m.allreduce_s
+    link = link_from_allreduce(m.ranks, m.gradient_bytes, m.allreduce_s)
+    params = dataclasses.replace(CODECS.get(name, CODECS["none"]),
+                                 cost_per_byte=m.codec_s.get(name, 0.0) / max(m.gradient_bytes, 1))
+    return compressed_allreduce_time(m.ranks, m.gradient_bytes, link, params)
+
+
+def pipelined_step(m: Measurements, name: str) -> float:
+    """Predicted width-2 step with codec ``name``: ``max(compute + its CPU, the reduction)``."""
+    return max(m.compute_s + m.reduction_cpu_s.get(name, 0.0), reduction_time(m, name))
+
+
+def settled(m: Measurements, name: str, *, tolerance: float = TOLERANCE, sync_fraction: float = 0.05) -> bool:
+    """After timing ``name`` (candidates are timed least lossy first): does the choice no longer
+    depend on the lossier ones? True when the float32 all-reduce keeps training synchronous, or
+    when ``name``'s step is within ``tolerance`` of compute alone, the least any step can take."""
+    if name == "none" and reduction_time(m, "none") <= sync_fraction * m.compute_s:
+        return True
+    return pipelined_step(m, name) <= (1 + tolerance) * m.compute_s
+
+
+def decide(m: Measurements, *, sync_fraction: float = 0.05, tolerance: float = TOLERANCE,
+           candidates: Sequence[str] = CANDIDATES) -> Decision:
+    if m.ranks < 2:
+        return Decision(1, "none", "a single rank has nothing to communicate", {})
+    # Timed candidates only, when there are any: the measuring loop stopped where the rest
+    # cannot matter (see settled); otherwise the model predicts every candidate.
+    names = [c for c in candidates if c in m.reduction_s] or list(candidates)
+    comm = {name: reduction_time(m, name) for name in names}
+    none = reduction_time(m, "none")
+    predicted: Dict[str, float] = {"sync": sync_iteration_time(m.compute_s, none)}
+    predicted.update({name: pipelined_step(m, name) for name in names})
+    if none <= sync_fraction * m.compute_s:
+        return Decision(1, "none", f"communication ({none * 1e3:.1f} ms) is under {sync_fraction:.0%} of "
+                        f"compute ({m.compute_s * 1e3:.1f} ms): synchronous costs little", predicted)
+    fastest = min(names, key=lambda n: predicted[n])
+    chosen = next(n for n in names if predicted[n] <= (1 + tolerance) * predicted[fastest])
+    if comm[chosen] <= m.compute_s:
+        why = f"the least lossy codec whose reduction ({comm[chosen] * 1e3:.1f} ms) hides under compute"
+    else:
+        why = f"no codec hides its reduction under compute; the least lossy within {tolerance:.0%} of the fastest"
+    cpu = m.reduction_cpu_s.get(chosen)
+    return Decision(2, chosen, f"{why} ({m.compute_s * 1e3:.1f} ms"
+                    + (f", + {cpu * 1e3:.1f} ms of reduction CPU" if cpu else "") + ")", predicted)
+
+
+def decide_fixed(m: Measurements, *, width: Optional[int] = None, compression: Optional[str] = None,
+                 sync_fraction: float = 0.05, tolerance: float = TOLERANCE,
+                 candidates: Sequence[str] = CANDIDATES) -> Decision:
+    """:func:`decide` when the user fixed one of the two (``None`` = chosen here).
+
+    * width fixed: the codec :func:`decide` picks (``none`` when it would stay synchronous);
+    * codec fixed (by name; one the model does not know counts as uncompressed, a conservative
+      guess): width 1 when that codec's reduction is under ``sync_fraction`` of compute, else 2.
+    """
+    if width is None and compression is None:
+        return decide(m, sync_fraction=sync_fraction, tolerance=tolerance, candidates=candidates)
+    if compression is None:
+        assert width is not None
+        d = decide(m, sync_fraction=sync_fraction, tolerance=tolerance, candidates=candidates)
+        return Decision(width, d.compression, f"width fixed at {width}; codec: {d.reason}", d.predicted_s)
+    if width is not None:
+        return Decision(width, compression, "width and compression both fixed", {})
+    if m.ranks < 2:
+        return Decision(1, compression, "a single rank has nothing to communicate", {})
+    comm = reduction_time(m, compression)
+    predicted = {"sync": sync_iteration_time(m.compute_s, comm), compression: pipelined_step(m, compression)}
+    what = f"compression fixed; its reduction ({comm * 1e3:.1f} ms) is"
+    if comm <= sync_fraction * m.compute_s:
+        return Decision(1, compression, f"{what} under {sync_fraction:.0%} of compute ({m.compute_s * 1e3:.1f} ms): "
+                        "synchronous costs little", predicted)
+    return Decision(2, compression, f"{what} over {sync_fraction:.0%} of compute ({m.compute_s * 1e3:.1f} ms): "
+                    "pipelining hides it", predicted)

@@ -1,2 +1,0 @@
-"""Framework adapters and their tensor-operation tables. Nothing here is imported eagerly:
-``pipesgd_hvd.torch`` must not pull in TensorFlow, nor ``pipesgd_hvd.keras`` PyTorch."""

@@ -1,0 +1,314 @@
+"""What every pipelined optimizer shares, whether its step runs in Python (PyTorch) or in a traced
+graph (Keras): the pipeline's life and its state around the steps.
+
+:class:`PipelineLifecycle` owns the pipeline object (the eager
+:class:`~pipesgd_hvd.pipeline.engine.PipelineEngine`, or TensorFlow's ``GraphPipeline``, built by the
+subclass's ``build_pipeline``) and everything that replaces or saves it:
+
+* its name, agreed across ranks (:func:`~pipesgd_hvd.pipeline.guards.agree_pipeline_name`);
+* the auto mode (:mod:`pipesgd_hvd.auto.controller`), which rebuilds it with another width or
+  codec at a step every rank agrees on;
+* the staleness correction's state (``staleness_correction``: weight prediction, the per-step
+  state of :mod:`pipesgd_hvd.staleness.corrections`, or the split-batch rule's,
+  :mod:`pipesgd_hvd.staleness.split_batch`);
+* the one checkpoint entry (:mod:`pipesgd_hvd.optimizer.checkpoint`);
+* Horovod elastic: dropping what the old world left in flight, rebuilding for the new world and
+  continuing from rank 0's state (the rule of :mod:`pipesgd_hvd.optimizer.elastic`).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import weakref
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence
+
+from ..auto.controller import AutoController
+from ..comm.base import Communicator
+from ..compression import resolve_compression
+from ..compression.codecs import Codec
+from ..ops.base import Tensor, TensorOps
+from ..pipeline.config import PipelineConfig, WireStats
+from ..pipeline.engine import AppliedStep
+from ..pipeline.fusion import TensorSpec
+from ..pipeline.guards import agree_pipeline_name, provisional_name
+from ..staleness.corrections import DelayCompensation, EagerMix, StaleCorrection
+from ..staleness.split_batch import OptimizerSnapshot, SplitBatch
+from ..staleness.prediction import AdamPrediction, AdamState, WeightPrediction
+from . import checkpoint, elastic
+from .options import PipelineOptions
+
+
+class Pipeline(Protocol):
+    """What the life cycle needs of a pipeline (the eager engine and TensorFlow's both are one)."""
+
+    specs: List[TensorSpec]
+    codec: Codec
+    config: PipelineConfig
+    stats: Any
+
+    @property
+    def step(self) -> int: ...
+    def flush(self) -> List[AppliedStep]: ...
+    def settings(self) -> List[Any]: ...
+    def state_dict(self) -> Dict[str, Any]:
+        """The engine's part of the checkpoint entry (collective: in-flight steps are reduced)."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+    def abandon(self) -> Dict[str, Any]:
+        """At a change of the world: drop what is not reduced yet, return :meth:`state_dict` of
+        the rest without any collective; the pipeline is unusable afterwards."""
+    def close(self) -> None: ...
+
+
+class PipelineLifecycle:
+    """The pipeline of one optimizer, from construction to interpreter exit (module docstring)."""
+
+    # True where every step runs in Python (PyTorch): per-step flags then stay on the host; False
+    # where the step is traced (Keras), so they must be graph variables.
+    eager_steps = False
+
+    def __init__(self, options: PipelineOptions, names: Sequence[str], comm: Communicator, ops: TensorOps,
+                 comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
+        """``comm_factory``: builds the transport again for a new Horovod elastic world
+        (collective); the transport is then this optimizer's own, closed at a change of the world
+        and at exit. Subclasses supply the framework's side: :meth:`build_pipeline`,
+        :meth:`weights`, :meth:`weights_guard`. Nothing here holds a reference to ``self``
+        (callbacks are weak): an optimizer the user drops is freed at once, and its hooks stop."""
+        self.options, self.comm, self.ops = options, comm, ops
+        self._comm_factory = comm_factory
+        self._held: List[Any] = [None]  # the pipeline, where a finalizer can see it without holding self
+        self.names = list(names)
+        self.width, self._codec_template = options.initial()
+        # Under Horovod elastic a joining worker builds its optimizer while the others sync, so it
+        # issues no collective here; the pipeline is built again, checked, in elastic_sync().
+        joining = elastic.is_elastic_job()
+        self._name = provisional_name() if joining else agree_pipeline_name(comm)
+        self.pipeline = self._new_pipeline(check_ranks=not joining)
+        self.auto_controller = None if options.auto is None else \
+            AutoController(options.auto, comm, ops, rebuild=weak_method(self._switch))
+        self.prediction = self._new_prediction()
+        self.correction = self._new_correction()
+        self.split = self._new_split()
+        self.switched: List[Callable[[], None]] = []  # told after the auto mode rebuilt the pipeline
+
+    # ------------------------------------------------------------------------ the pipeline
+    @property
+    def pipeline(self) -> Pipeline:
+        return self._held[0]
+
+    @pipeline.setter
+    def pipeline(self, value: Pipeline) -> None:
+        self._held[0] = value
+
+    @property
+    def name(self) -> str:
+        """The prefix of this optimizer's collective names (the same on every rank)."""
+        return self._name
+
+    @property
+    def stats(self) -> WireStats:
+        return self.pipeline.stats
+
+    def _new_pipeline(self, first_step: int = 0, check_ranks: bool = True) -> Pipeline:
+        config = self.options.config(self._name, width=self.width)
+        return self.build_pipeline(config, resolve_compression(self._codec_template), first_step=first_step,
+                                   check_ranks=check_ranks)
+
+    def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int, check_ranks: bool) -> Pipeline:
+        """A new pipeline; ``check_ranks``: run the cross-rank check of settings and tensors
+        (collective) now."""
+        raise NotImplementedError
+
+    def weights(self) -> List[Tensor]:
+        """The tensors weight prediction writes."""
+        raise NotImplementedError
+
+    def weights_guard(self) -> ContextManager[Any]:
+        """The context to write them in (``torch.no_grad``)."""
+        return contextlib.nullcontext()
+
+    def rebuild(self) -> None:
+        """A new pipeline over the same settings (the tensor list changed before training)."""
+        self.pipeline.close()
+        self.pipeline = self._new_pipeline()
+        self.prediction = self._new_prediction()
+        self.correction = self._new_correction()
+        self.split = self._new_split()
+
+    def _switch(self, width: int, compression: Any) -> None:
+        """The auto mode's rebuild: the pipeline was flushed; the next one continues its step
+        count and byte counts (a fresh name per configuration keeps the collectives' names apart)."""
+        old = self.pipeline
+        old.close()
+        self.width, self._codec_template = width, compression
+        self._name = f"{self._name.split('.auto')[0]}.auto{old.step}"
+        self.pipeline = self._new_pipeline(first_step=old.step)
+        self.pipeline.stats = old.stats
+        for listener in self.switched:
+            listener()
+
+    def adam_state(self, index: int) -> Optional[AdamState]:
+        """The wrapped Adam/AdamW's moments and settings for tensor ``index`` (None before its
+        first update), for ``staleness_correction="adam_prediction"``."""
+        raise NotImplementedError
+
+    def check_adam_support(self) -> None:
+        """Raises a ValueError naming the fix where the wrapped optimizer is not Adam/AdamW."""
+        raise ValueError("staleness_correction='adam_prediction' needs an adapter that reads Adam's moments, and this "
+                         "one does not: use 'weight_prediction', 'delay_compensation' or 'eager'")
+
+    def _new_prediction(self) -> Optional[WeightPrediction]:
+        kind = self.options.staleness_correction
+        if kind not in ("weight_prediction", "adam_prediction"):
+            return None
+        with self.weights_guard():
+            if kind == "adam_prediction":
+                self.check_adam_support()
+                return AdamPrediction(self.ops, self.weights(), weak_method(self.adam_state),
+                                      host_flag=self.eager_steps)
+            return WeightPrediction(self.ops, self.weights(), host_flag=self.eager_steps)
+
+    def _new_correction(self) -> Optional[StaleCorrection]:
+        """Delay compensation or eager mixing; None without one, and at width 1 (every gradient
+        is fresh: nothing to correct)."""
+        kind = self.options.staleness_correction
+        if self.width == 1 or kind not in ("delay_compensation", "eager"):
+            return None
+        with self.weights_guard():
+            if kind == "delay_compensation":
+                return DelayCompensation(self.ops, self.weights(), self.width, self.options.dc_lambda, self.eager_steps)
+            return EagerMix(self.ops, self.weights(), self.width, self.comm.size, self.eager_steps)
+
+    def optimizer_snapshot(self) -> OptimizerSnapshot:
+        """The wrapped optimizer's state, saved and put back around the split-batch rule's
+        virtual update (:mod:`pipesgd_hvd.staleness.split_batch`)."""
+        raise NotImplementedError
+
+    def _new_split(self) -> Optional[SplitBatch]:
+        """The split-batch rule; None without it, and at width 1 (every gradient is fresh)."""
+        if self.width == 1 or self.options.staleness_correction != "split_batch":
+            return None
+        with self.weights_guard():
+            return SplitBatch(self.ops, self.weights(), self.optimizer_snapshot(), self.eager_steps)
+
+    # ------------------------------------------------------------------------ checkpointing
+    def compose_state(self) -> Dict[str, Any]:
+        """The checkpoint entry (collective: in-flight steps are reduced or waited for)."""
+        return checkpoint.compose(
+            self.pipeline.state_dict(),
+            auto=self.auto_controller.state_dict() if self.auto_controller is not None else None,
+            prediction=self.prediction.state_dict(self.names) if self.prediction is not None else None,
+            corrections=self._corrections_state())
+
+    def _corrections_state(self) -> Optional[Dict[str, Any]]:
+        if self.correction is not None:
+            return self.correction.state_dict(self.names)
+        if self.split is not None:
+            with self.weights_guard():
+                return self.split.state_dict(self.names, self.weights())
+        return None
+
+    def load_entry(self, entry: Dict[str, Any]) -> None:
+        """Loads the pipeline's part of an entry (format 2). Rebuilding the pipeline for a saved
+        auto choice is collective: load on every rank."""
+        if entry.get("auto") is not None and self.auto_controller is not None:
+            self.auto_controller.load_state_dict(entry["auto"])  # the width and codec it ran with
+        checkpoint.check_resumable(entry["settings"], self.pipeline.settings())
+        self.pipeline.load_state_dict(entry)
+
+    def load_prediction(self, saved: Optional[Dict[str, Any]]) -> bool:
+        """After the model's weights were loaded: the tensors get the prediction the next gradient
+        is computed at (with the correction), or the real weights (a correction checkpoint
+        resumed without it). A checkpoint without prediction state starts predicting afresh.
+        Returns whether the tensors now hold a prediction."""
+        weights = self.weights()
+        with self.weights_guard():
+            if self.prediction is not None and saved is not None:
+                self.prediction.load_state_dict(saved, self.names, weights)
+            elif self.prediction is not None:
+                self.prediction.stop()
+            elif saved is not None and saved["started"]:
+                for name, w in zip(self.names, weights):
+                    self.ops.assign(w, saved["current"][name])
+        return self.prediction is not None and self.prediction.is_started()
+
+    def load_correction(self, saved: Optional[Dict[str, Any]]) -> None:
+        """After the model's weights were loaded: the correction's per-step state, or (saved
+        without it) a start that applies the in-flight averages uncorrected."""
+        if self.correction is not None:
+            with self.weights_guard():
+                self.correction.load_state_dict(saved, self.names, self.weights())
+        if self.split is not None:
+            with self.weights_guard():
+                self.split.load_state_dict(saved, self.names, self.weights())
+
+    # -------------------------------------------------------------------- Horovod elastic
+    def check_elastic_support(self) -> None:
+        if self.auto_controller is not None or self.prediction is not None or self.correction is not None \
+                or self.split is not None:
+            raise ValueError("Horovod elastic (TorchState, KerasState) does not support width='auto', compression='auto' or "
+                             "staleness_correction yet: pass a fixed width and compression, without "
+                             "staleness_correction")
+
+    def elastic_restore(self, entry: Optional[Dict[str, Any]]) -> None:
+        """After HorovodInternalError (a worker was lost): drop what is in flight, unwaited, and
+        go back to the committed entry. Horovod is broken here: no collective."""
+        self.pipeline.abandon()
+        self.close_comm()  # its peers are gone or about to be; elastic_sync builds it anew
+        self.pipeline = self._new_pipeline(check_ranks=False)
+        if entry is not None:
+            self.pipeline.load_state_dict(entry)
+
+    def elastic_sync(self, root_state: Callable[[], Any] = lambda: None,
+                     load_root_state: Callable[[Any], None] = lambda state: None) -> None:
+        """On every rank of a new world (after a reset, and at the start): drop the old world's
+        unreduced steps, rebuild the pipeline for this world (cross-rank check included) and
+        continue from rank 0's state: ``root_state()`` (the wrapped optimizer's, loaded with
+        ``load_root_state``), the reduced in-flight gradients and the step count; error-feedback
+        residuals start afresh (pipesgd_hvd.optimizer.elastic)."""
+        held = self.pipeline.abandon()
+        if self._comm_factory is not None:  # the old world's connections; every rank is here: build anew
+            self.close_comm()
+            self.comm = self._comm_factory()
+            if self.auto_controller is not None:
+                self.auto_controller.comm = self.comm
+        self._name = agree_pipeline_name(self.comm)  # collective: every rank of the new world is here
+        self.pipeline = self._new_pipeline()
+        root = None
+        if self.comm.rank == 0:
+            root = (root_state(), elastic.state_for_new_world(held, self.pipeline.codec.state_dict()))
+        outer, entry = self.comm.allgather_object(root, f"{self._name}.elastic")[0]
+        load_root_state(outer)
+        self.pipeline.load_state_dict(entry)
+
+
+    def close_comm(self) -> None:
+        """Closes the transport if it is this optimizer's own (built by ``comm_factory``)."""
+        close = getattr(self.comm, "close", None)
+        if self._comm_factory is not None and close is not None:
+            close()
+
+
+def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` without a reference to its object (a callback kept by something the object owns)."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the optimizer this callback belongs to is gone")
+        return bound(*args, **kwargs)
+
+    return call
+
+
+def call_at_exit(owner: Any, method: Callable[[Any], None]) -> None:
+    """Runs ``method(owner)`` at interpreter exit if ``owner`` is still alive then (a weak
+    reference: an optimizer dropped earlier is not kept alive by it)."""
+    ref = weakref.ref(owner)
+
+    def finish() -> None:
+        alive = ref()
+        if alive is not None:
+            method(alive)
+
+    atexit.register(finish)

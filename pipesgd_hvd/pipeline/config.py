@@ -1,0 +1,86 @@
+"""Settings of one pipeline (the same on every rank) and its byte counters.
+
+Shared by the eager engine (:mod:`pipesgd_hvd.pipeline.engine`), TensorFlow's traced executor
+(``tensorflow/pipeline.py``), the cross-rank checks and the optimizer core; it imports none of them.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, List, Tuple
+
+from ..comm.base import ReduceOp
+from .fusion import DEFAULT_FUSION_THRESHOLD
+
+
+def integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
+    """``value`` as an int >= ``minimum`` (numpy ints too), or a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{hint}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Settings of one pipeline (the same on every rank; checked at construction).
+
+    ``check_replicas_every``: compare a checksum of every parameter across ranks every that many
+    steps (0: never); see :mod:`pipesgd_hvd.pipeline.guards`."""
+
+    width: int = 2
+    warmup_steps: int = 0
+    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD
+    op: ReduceOp = ReduceOp.AVERAGE
+    gradient_predivide_factor: float = 1.0
+    name: str = "psgd"
+    seed: int = 0
+    check_replicas_every: int = 0
+
+    def __post_init__(self) -> None:
+        # Frozen: normalised values (numpy ints -> int) are written through object.__setattr__.
+        fix = lambda field_name, value: object.__setattr__(self, field_name, value)  # noqa: E731
+        fix("width", integer("width", self.width, 1, " (1 = synchronous, 2 = Pipe-SGD)"))
+        fix("warmup_steps", integer("warmup_steps", self.warmup_steps, 0))
+        fix("fusion_threshold_bytes", integer("fusion threshold", self.fusion_threshold_bytes, 0, " bytes"))
+        fix("seed", integer("seed", self.seed, 0, " (the same on every rank)"))
+        fix("check_replicas_every", integer("check_replicas_every", self.check_replicas_every, 0,
+                                            " steps (0 or None: never)"))
+        if not isinstance(self.op, ReduceOp):
+            raise ValueError(f"op must be Average or Sum, got {self.op!r}")
+        factor = self.gradient_predivide_factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < math.inf:
+            raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {factor!r}")
+        fix("gradient_predivide_factor", float(factor))
+        if self.gradient_predivide_factor != 1.0 and self.op is not ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor is only supported with op=Average (as in Horovod)")
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a str, got {self.name!r}")
+
+    def scale_factors(self) -> Tuple[float, float]:
+        """(prescale, postscale) as Horovod splits an average around the sum."""
+        if self.op is ReduceOp.AVERAGE:
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+
+def settings_entries(config: PipelineConfig, codec_name: str) -> List[Tuple[str, Any]]:
+    """The settings that must be equal on every rank, as (name, value) pairs (checked across
+    ranks and saved with checkpoints)."""
+    return [("width", config.width), ("warmup_steps", config.warmup_steps), ("op", config.op.value),
+            ("fusion_threshold_bytes", config.fusion_threshold_bytes),
+            ("gradient_predivide_factor", config.gradient_predivide_factor), ("compression", codec_name),
+            ("check_replicas_every", config.check_replicas_every)]
+
+
+@dataclass
+class WireStats:
+    """Bytes this rank sent, next to what a float32 ring all-reduce would have sent."""
+
+    steps: int = 0
+    bytes_sent: int = 0
+    fp32_bytes: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_sent / self.fp32_bytes if self.fp32_bytes else 1.0

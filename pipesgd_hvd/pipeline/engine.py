@@ -1,0 +1,564 @@
+"""The pipeline: step t's gradients are reduced while step t+1 computes; updates apply K-1 steps late.
+
+``PipelineEngine`` is framework-free. An adapter hands it each step's local gradients as they
+become ready (:meth:`add_gradient_` copies them into fusion buffers, so the next backward pass may
+overwrite ``.grad``); a bucket's reduction starts as soon as all its gradients are in and every
+lower-numbered bucket has started, so all ranks issue collectives in the same order. At the end
+of the step (:meth:`end_step`) the engine waits only for the oldest in-flight step, t-K+1, and
+returns its averaged gradients for the adapter to apply.
+
+Update rule with width K (staleness K-1)::
+
+    w_{t+1} = w_t - lr * mean_i g_i(t - K + 1)
+
+K = 1 is synchronous data-parallel SGD. The first ``warmup_steps`` steps run with K = 1; the
+first K-1 pipelined steps apply nothing (no stale gradient exists yet). :meth:`flush` waits for
+and returns everything in flight; :meth:`state_dict` waits for it too and saves the reduced
+gradients, codec state (error-feedback residuals) and step count, so a restart resumes exactly.
+
+Failures are final: once a reduction fails (a lost peer, a timeout) or a check finds the ranks
+disagreeing, the in-flight steps can no longer be completed consistently, so every later call
+raises at once (:attr:`failure` holds the first error) instead of waiting on collectives that
+cannot complete. The cure is a restart from the last checkpoint on every rank.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+from ..comm.base import Communicator, ReduceOp
+from ..compression.allreduce import Reduction, padded_numel, reduce_bucket
+from ..compression.codecs import Codec, NoneCodec
+from ..ops.base import MutableTensorOps, Tensor
+from ..ops.seeds import Seed
+from .config import PipelineConfig, WireStats, integer, settings_entries
+from .fusion import Bucket, FusionLayout, TensorSpec, plan_buckets
+from .guards import check_pipeline_agrees, check_ranks_agree, check_replicas, check_steps_agree, checksum
+from .schedule import PipelineSchedule
+
+_PLAIN = NoneCodec()  # the membership flags go as they are
+
+
+@dataclass
+class AppliedStep:
+    """The averaged gradients of one step, ready to apply. ``grads`` maps spec index -> tensor;
+    the tensors may be views of engine buffers, valid until the next step begins, unless
+    ``owned``: then nothing of the engine reads or writes their memory again, and they may
+    become the framework's gradients without a copy."""
+
+    step: int
+    grads: Dict[int, Tensor]
+    meta: Any = None
+    training: Optional[List[bool]] = None  # per rank: was it training (not joined) at this step
+    owned: bool = False
+
+
+@dataclass
+class _Step:
+    step: int
+    layout: FusionLayout
+    buffers: List[Tensor]
+    written: List[int]                                   # gradients written, per bucket
+    checked: bool = True                                 # the ranks agreed on this tensor set
+    seen: set = field(default_factory=set)               # spec indices written
+    reductions: List[Optional[Reduction]] = field(default_factory=list)
+    grads: Optional[Dict[int, Tensor]] = None            # set once waited (or loaded)
+    meta: Any = None
+    members: Optional[Reduction] = None                  # which ranks were training (see join)
+    training: Optional[List[bool]] = None
+
+
+class PipelineEngine:
+    """Width-K pipeline of in-flight gradient reductions over a :class:`Communicator`."""
+
+    def __init__(self, specs: Sequence[TensorSpec], *, ops: MutableTensorOps, comm: Communicator,
+                 codec: Codec, config: PipelineConfig = PipelineConfig(),
+                 ready_order: Optional[Sequence[int]] = None,
+                 device_anchors: Optional[Dict[str, Tensor]] = None, first_step: int = 0,
+                 check_ranks: bool = True) -> None:
+        """``ready_order``: spec indices in the order gradients are expected (default: reverse).
+        ``device_anchors``: a tensor per device name, next to which that device's buffers go.
+        ``first_step``: the index of the first step, for an engine that replaces a flushed one
+        mid-training (the auto mode switching width or codec): warm-up, replica checks and
+        stochastic-rounding seeds keep counting from there.
+        ``check_ranks=False`` skips the cross-rank check of settings and tensors (a collective)
+        here, for a caller that has just run it (the optimizer core checks once per optimizer)
+        or that may not issue collectives yet (a worker joining a Horovod elastic job builds its
+        optimizer while the others are busy syncing, and builds the engine again, checked, once
+        every rank can take part)."""
+        self.specs = list(specs)
+        self.ops, self.comm, self.codec, self.config = ops, comm, codec, config
+        self.schedule = PipelineSchedule(config)
+        self._ready_order = list(ready_order) if ready_order is not None else list(range(len(self.specs)))[::-1]
+        self._layouts: Dict[Tuple[int, ...], FusionLayout] = {}
+        self._checked_sets: set = set()  # tensor sets the ranks agreed on (see end_step)
+        self._buffers: Dict[Tuple[str, int], List[Tensor]] = {}   # (layout key, slot) -> buffers
+        self._queue: Deque[_Step] = collections.deque()
+        self._current: Optional[_Step] = None
+        self._next_launch = 0
+        self._step = integer("first_step", first_step, 0)
+        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._anchors = dict(device_anchors or {})
+        self.stats = WireStats()
+        self._failure: Optional[BaseException] = None
+        # Set on the first failure; the comm thread then runs no further queued reduction (each
+        # would wait a full timeout for a peer that is gone, and exit joins that thread).
+        self._abort = threading.Event()
+        self._replicas_agreed_at = 0
+        if check_ranks:
+            check_pipeline_agrees(comm, config, codec.name, self.specs)
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def step(self) -> int:
+        """Steps ended so far (the index of the next step)."""
+        return self._step
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+    @property
+    def step_open(self) -> bool:
+        """Gradients of the current step have been handed in and the step has not ended."""
+        return self._current is not None
+
+    def has_gradient(self, index: int) -> bool:
+        """Spec ``index``'s gradient was handed in during the open step."""
+        return self._current is not None and index in self._current.seen
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that stopped this pipeline, or None while it runs."""
+        return self._failure
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"the pipeline stopped at an earlier error on this rank ({type(self._failure).__name__}: "
+                f"{self._failure}); its in-flight steps cannot complete consistently. Restart every rank from "
+                "the last checkpoint") from self._failure
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._abort.set()
+
+    def _checked(self, check: Callable[[], None]) -> None:
+        """Runs a cross-rank check; its error stops the pipeline (the ranks disagree)."""
+        try:
+            check()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    # ------------------------------------------------------------------------------- the step
+    def begin_step(self, active: Sequence[int]) -> None:
+        """Open a step over the gradients ``active`` (spec indices; those that require grad now).
+        Issues no collective (it may run inside a backward hook)."""
+        self._raise_if_failed()
+        if self._current is not None:
+            raise RuntimeError("begin_step() called twice without end_step()")
+        layout = self.layout_for(active)
+        slot = self._step % self.config.width
+        buffers = self._buffers.get((layout.key, slot))
+        if buffers is None:
+            buffers = [self._new_buffer(b) for b in layout.buckets]
+            self._buffers[(layout.key, slot)] = buffers
+        self._current = _Step(self._step, layout, buffers, [0] * len(layout.buckets),
+                              checked=layout.key in self._checked_sets, reductions=[None] * len(layout.buckets))
+        self._next_launch = 0
+
+    def add_gradient_(self, index: int, grad: Tensor) -> None:
+        """Copy spec ``index``'s local gradient of this step into its bucket; launch what is ready."""
+        self._raise_if_failed()
+        cur = self._current
+        if cur is None:
+            raise RuntimeError("add_gradient_() before begin_step()")
+        placed = cur.layout.placement.get(index)
+        if placed is None:
+            raise ValueError(f"gradient of '{self.specs[index].name}' arrived, but that tensor did not "
+                             "require grad when this step began")
+        if index in cur.seen:
+            raise RuntimeError(f"gradient of '{self.specs[index].name}' was handed in twice in one step; "
+                               "use backward_passes_per_step to accumulate several backward passes")
+        b, member = placed
+        self.ops.copy_into_(cur.buffers[b], member.offset, grad)
+        cur.seen.add(index)
+        cur.written[b] += 1
+        self._launch_ready(cur, force=False)
+
+    def end_step(self, meta: Any = None, joined: bool = False) -> List[AppliedStep]:
+        """End the open step: launch what is left (missing gradients count as zeros), then wait for
+        the steps that fall out of the pipeline and return them, oldest first (usually one; none
+        while the pipeline fills). ``joined``: this rank has no data left and only takes part
+        (with zeros) so that the others can go on (see :meth:`OptimizerCore.join`)."""
+        self._raise_if_failed()
+        cur = self._current
+        if cur is None:
+            raise RuntimeError("end_step() without an open step")
+        self._close(cur, meta, joined)
+        width = self.schedule.width_at(cur.step)
+        applied = []
+        while len(self._queue) >= width:
+            applied.append(self._finish(self._queue.popleft()))
+        return applied
+
+    def _close(self, cur: _Step, meta: Any, joined: bool = False) -> None:
+        """Checks a tensor set the ranks have not agreed on yet (a collective, so here, from the
+        training thread at the end of the step, never from a backward hook), launches the rest
+        and queues the step."""
+        if not cur.checked:
+            self._checked(lambda: self._check_trainable_agree(cur.layout))
+            self._checked_sets.add(cur.layout.key)
+            cur.checked = True
+        self._launch_ready(cur, force=True)
+        if self.comm.size > 1:
+            cur.members = self._launch_members(cur, joined)
+        cur.meta = meta
+        self._queue.append(cur)
+        self._current = None
+        self._step += 1
+
+    def flush(self, check_steps: bool = True) -> List[AppliedStep]:
+        """Wait for every step in flight (ending an open one first) and return them, oldest first.
+
+        Collective: first checks that every rank has run the same number of steps (a rank that
+        ran more would wait forever for the others' share of its last reduction), and raises
+        :class:`~pipesgd_hvd.pipeline.guards.StepCountMismatchError` on every rank if not.
+        ``check_steps=False`` skips that (at interpreter exit, where the other ranks may be gone)."""
+        self._raise_if_failed()
+        if check_steps:
+            ended = self._step + (1 if self._current is not None else 0)
+            self._checked(lambda: check_steps_agree(self.comm, ended, "flush()"))
+        if self._current is not None:
+            self._close(self._current, None)
+        applied = [self._finish(s) for s in self._queue]
+        self._queue.clear()
+        return applied
+
+    def abandon(self) -> Dict[str, Any]:
+        """Stop this engine at a change of the world (Horovod elastic) without waiting on anything,
+        and return :meth:`state_dict` of what it holds already reduced.
+
+        The collectives in flight belong to a world that is gone (or about to be: Horovod shuts
+        down and re-initializes), so they are never waited on: the open step and every step not
+        yet waited for are dropped, and the comm thread starts no further reduction. Steps
+        already waited for (by ``end_step``, or by ``state_dict`` at a commit) are kept: every
+        rank waits for them at the same point of the program, so they are the same on every
+        rank. The engine is unusable afterwards; build a new one for the new world."""
+        self._abort.set()  # queued comm-thread jobs must not start a collective in the new world
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
+        self._current = None
+        # Waits happen oldest first, so the finished steps are a prefix of the queue.
+        self._queue = collections.deque(s for s in self._queue if s.grads is not None)
+        self._failure = None
+        try:
+            return self.state_dict()  # no wait: every step left is finished
+        finally:
+            self._fail(RuntimeError("this pipeline was abandoned at a change of the Horovod world; "
+                                    "the optimizer continues on a new one"))
+
+    def close(self, wait: bool = True) -> None:
+        """Stops the communication thread once its queued reductions are done (``wait=False``:
+        without waiting for them here)."""
+        if self._worker is not None:
+            # After a failure, queued reductions would only wait for a peer that is gone.
+            failed = self._failure is not None
+            self._worker.shutdown(wait=wait and not failed, cancel_futures=failed)
+            self._worker = None
+
+    # ------------------------------------------------------------------------- replica check
+    def replica_check_due(self) -> bool:
+        """Whether the open step is one where :meth:`check_replicas` runs (every
+        ``check_replicas_every`` steps; the same answer on every rank)."""
+        return bool(self.schedule.replica_check_due(self._step)) and self._replicas_agreed_at != self._step
+
+    def check_replicas(self, named: Sequence[Tuple[str, Any]]) -> None:
+        """Collective: compares a checksum of each (name, host array) across ranks, and the step
+        counts; raises :class:`~pipesgd_hvd.pipeline.guards.ReplicaDriftError` (or StepCountMismatchError)
+        on every rank, naming the step and the first tensor that differs."""
+        self._raise_if_failed()
+        self._checked(lambda: check_replicas(self.comm, self._step, named, self._replicas_agreed_at))
+        self._replicas_agreed_at = self._step
+
+    # ------------------------------------------------------------------------------- layouts
+    def layout_for(self, active: Sequence[int]) -> FusionLayout:
+        """The buckets for the tensors ``active`` (planned once per set; no collective)."""
+        key = tuple(sorted(set(active)))
+        layout = self._layouts.get(key)
+        if layout is None:
+            if not key:
+                raise ValueError("no parameter requires a gradient: nothing to reduce")
+            chosen = set(key)
+            order = [i for i in self._ready_order if i in chosen]
+            layout = plan_buckets(self.specs, order, self.config.fusion_threshold_bytes)
+            self._layouts[key] = layout
+        return layout
+
+    def _check_trainable_agree(self, layout: FusionLayout) -> None:
+        """Ranks that freeze different parameters would issue different collectives. Run for
+        every new set, the full one too: a rank that froze something before step 0 is caught."""
+        try:
+            check_ranks_agree(self.comm, {"tensors that require grad": [
+                (self.specs[i].name, tuple(self.specs[i].shape), self.specs[i].dtype) for i in layout.indices]},
+                f"{self.config.name}.trainable")
+        except ValueError as exc:
+            raise ValueError(f"{exc}; here: set requires_grad on the same parameters on every rank, at the same "
+                             "step") from None
+
+    def settings(self) -> List[Tuple[str, Any]]:
+        return settings_entries(self.config, self.codec.name)
+
+    def _like(self, bucket: Bucket) -> Any:
+        return self._anchors.get(bucket.device)
+
+    def _new_buffer(self, bucket: Bucket) -> Tensor:
+        """A bucket's fusion buffer. A byte codec's float32 bucket gets the room its compressed
+        all-reduce's rows take, zero past the gradients and never written there, so the bucket is
+        encoded where it lies; without the room the all-reduce copies it into a padded one on
+        every step, a whole pass over the gradient on the comm thread (compression/allreduce.py)."""
+        length = bucket.numel
+        if not self.codec.summable and bucket.dtype == "float32":
+            length = padded_numel(self.codec, bucket.numel, self.comm.size)
+        buffer = self.ops.empty((length,), bucket.dtype, like=self._like(bucket))
+        if length > bucket.numel:
+            self.ops.fill_(buffer, bucket.numel, length - bucket.numel, 0.0)
+        return buffer
+
+    # ------------------------------------------------------------------------------ launching
+    def _launch_ready(self, cur: _Step, force: bool) -> None:
+        if not cur.checked:
+            return  # nothing starts before the ranks agreed on the tensor set (end of the step)
+        buckets = cur.layout.buckets
+        while self._next_launch < len(buckets):
+            b = self._next_launch
+            bucket = buckets[b]
+            if cur.written[b] < len(bucket.members):
+                if not force:
+                    return
+                for m in bucket.members:  # ranks that computed no gradient for it contribute zeros
+                    if m.index not in cur.seen:
+                        self.ops.fill_(cur.buffers[b], m.offset, m.numel, 0.0)
+            cur.reductions[b] = self._launch(cur, bucket, cur.buffers[b])
+            self._next_launch += 1
+
+    def _launch(self, cur: _Step, bucket: Bucket, flat: Tensor) -> Reduction:
+        cfg, ops, codec, schedule = self.config, self.ops, self.codec, self.schedule
+        prescale, postscale = cfg.scale_factors()
+        name = schedule.op_name(cur.layout, bucket.index, schedule.slot_tag(cur.step))
+        key = schedule.state_key(cur.layout, bucket.index)
+        seed = schedule.seed(bucket.index, self.comm.rank, cur.step)
+        if codec.summable:  # a plain all-reduce, started now; waited for when the step is applied
+            return reduce_bucket(ops, self.comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
+                                 prescale=prescale, postscale=postscale)
+
+        # Byte codecs: encode, alltoall, sum, allgather, decode, all on the comm thread (on GPU on
+        # its own stream of the bucket's device), so neither the codec work nor the blocking waits
+        # hold up compute. Buffers crossing between the streams are recorded on the one that reads
+        # them (ops/torch_cuda.py says why).
+        marker = ops.ready_marker(flat)
+        abort = self._abort
+        comm = _AbortableComm(self.comm, abort)
+
+        def job() -> Tuple[Tensor, int, Any]:
+            if abort.is_set():
+                raise RuntimeError(f"{name} was not started: an earlier reduction on this rank failed")
+            try:
+                with ops.stream_guard(flat):
+                    ops.wait_marker(marker)
+                    ops.record_use(flat)
+                    out, sent = reduce_bucket(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
+                                              prescale=prescale, postscale=postscale, numel=bucket.numel).wait()
+                    return out, sent, ops.ready_marker(out)
+            except BaseException:
+                abort.set()  # before the main thread even sees it: the next queued job must not start
+                raise
+
+        future = self._comm_thread().submit(job)
+
+        def wait() -> Tuple[Tensor, int]:
+            out, sent, done = future.result()
+            ops.wait_marker(done)
+            ops.record_use(out)
+            return out, sent
+
+        return Reduction(wait)
+
+    def _launch_members(self, cur: _Step, joined: bool) -> Reduction:
+        """One tiny sum per step, after its buckets: which ranks are still training. It is what
+        lets a rank that ran out of data keep taking part with zeros until every rank has
+        (:meth:`OptimizerCore.join`, Horovod's ``hvd.join()`` semantics), at the cost of one
+        4-byte-per-rank all-reduce per step, waited for with the step. Issued by the thread that
+        issues the step's reductions, so every rank issues it in the same order among them."""
+        ops, size, rank = self.ops, self.comm.size, self.comm.rank
+        flags = ops.zeros((size,), "float32")
+        if not joined:
+            ops.fill_(flags, rank, 1, 1.0)
+        name = self.schedule.members_name(cur.layout, cur.step)
+        if self.codec.summable:
+            return reduce_bucket(ops, self.comm, _PLAIN, flags, name=name, key="members", seed=Seed(0),
+                                 op=ReduceOp.SUM)
+        comm, abort = _AbortableComm(self.comm, self._abort), self._abort
+
+        def job() -> Tuple[Tensor, int]:
+            if abort.is_set():
+                raise RuntimeError(f"{name} was not started: an earlier reduction on this rank failed")
+            return reduce_bucket(ops, comm, _PLAIN, flags, name=name, key="members", seed=Seed(0),
+                                 op=ReduceOp.SUM).wait()
+
+        future = self._comm_thread().submit(job)
+        return Reduction(future.result)
+
+    def _comm_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipesgd-comm")
+        return self._worker
+
+    def _finish(self, s: _Step) -> AppliedStep:
+        if s.grads is None:
+            grads: Dict[int, Tensor] = {}
+            for bucket, reduction in zip(s.layout.buckets, s.reductions):
+                assert reduction is not None
+                try:
+                    flat, sent = reduction.wait()
+                except BaseException as exc:  # a lost peer, a timeout, or an interrupt mid-wait
+                    self._fail(exc)
+                    raise
+                self.stats.bytes_sent += sent
+                for m in bucket.members:
+                    grads[m.index] = self.ops.view(flat, m.offset, m.numel, m.shape)
+            if s.members is not None:
+                try:
+                    counts, _ = s.members.wait()
+                except BaseException as exc:
+                    self._fail(exc)
+                    raise
+                s.training = [bool(v > 0.5) for v in self.ops.host_array(counts).tolist()]
+                s.members = None
+            self.stats.fp32_bytes += self.schedule.fp32_wire_bytes(s.layout, self.comm.size)
+            self.stats.steps += 1
+            s.grads, s.reductions = grads, []
+        # A byte codec's reduced bucket is its decode's new output, never a fusion buffer (a
+        # summable codec reduces in the buffer itself, which the step after next refills).
+        return AppliedStep(s.step, s.grads, s.meta, s.training, owned=not self.codec.summable)
+
+    # ------------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> Dict[str, Any]:
+        """Waits for the steps in flight and returns them reduced, with codec state and counters
+        (the engine's part of the checkpoint format of :mod:`pipesgd_hvd.optimizer.checkpoint`).
+        Tensors are copies: training may go on after the call."""
+        if self._current is not None:
+            raise RuntimeError("state_dict() was called between backward() and step(): call step() first, "
+                               "so that the current gradients are part of the pipeline")
+        return self.resumable_state()
+
+    def resumable_state(self) -> Dict[str, Any]:
+        """:meth:`state_dict` of the steps already ended (an open step is not part of it)."""
+        self._raise_if_failed()
+        in_flight = []
+        for s in self._queue:
+            applied = self._finish(s)
+            in_flight.append({"step": s.step, "meta": s.meta,
+                              "grads": {self.specs[i].name: self.ops.new_state(g) for i, g in applied.grads.items()}})
+        codec_state = {k: _copy_tree(v, self.ops) for k, v in self.codec.state_dict().items()}
+        return {"step": self._step, "settings": self.settings(), "in_flight": in_flight,
+                "codec": codec_state, "stats": vars(self.stats).copy()}
+
+    def resume_summary(self) -> Tuple[int, List[int], str]:
+        """(steps ended, the steps in flight, a digest of their averaged gradients): equal on every
+        rank that resumed from the same checkpoint (or started afresh). Waits for the steps in
+        flight. Used once after construction or a load (see OptimizerCore)."""
+        digest = hashlib.blake2b(digest_size=8)
+        steps = []
+        for s in self._queue:
+            applied = self._finish(s)
+            steps.append(s.step)
+            for i in sorted(applied.grads):
+                digest.update(checksum(self.ops.host_array(self.ops.read(applied.grads[i]))))
+        return self._step, steps, digest.hexdigest()
+
+    def adopt(self, state: Dict[str, Any]) -> None:
+        """Takes over another rank's resumed state (its :meth:`state_dict`): its step count and its
+        reduced in-flight steps; error-feedback residuals start afresh (they are that rank's
+        own quantization errors). Allowed before anything was launched in the open step, which is
+        numbered anew."""
+        cur = self._current
+        if cur is not None and any(r is not None for r in cur.reductions):
+            raise RuntimeError("adopt() after reductions of the open step started")
+        self._current, self._queue = None, collections.deque()
+        self.load_state_dict({**state, "codec": {}})
+        if cur is not None:
+            cur.step = self._step
+            self._current = cur
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Loads :meth:`state_dict`'s entries (the caller checked the settings)."""
+        if self._current is not None or self._queue:
+            raise RuntimeError("load_state_dict() with gradients in flight: load before training starts")
+        by_name = {spec.name: i for i, spec in enumerate(self.specs)}
+        self._queue.clear()
+        for entry in state["in_flight"]:
+            missing = [n for n in entry["grads"] if n not in by_name]
+            if missing:
+                raise ValueError(f"checkpoint holds in-flight gradients for unknown tensors {missing}")
+            # Loaded with map_location="cpu" perhaps: each gradient goes back to its tensor's device.
+            grads = {by_name[n]: self.ops.move_like(self.ops.new_state(g), self._anchors.get(self.specs[by_name[n]].device))
+                     for n, g in entry["grads"].items()}
+            layout = self.layout_for(list(grads))
+            self._queue.append(_Step(entry["step"], layout, [], [], grads=grads, meta=entry["meta"]))
+        self._step = int(state["step"])
+        self.codec.load_state_dict(state["codec"], self.ops)
+        self.stats = WireStats(**state.get("stats", {}))
+
+
+class _AbortableComm:
+    """The communicator as a comm-thread job sees it: once the engine aborts (a failure, or
+    :meth:`PipelineEngine.abandon` at a change of the world), a job cut between its alltoall and
+    its allgather starts no further collective, which could otherwise land in the next world."""
+
+    def __init__(self, comm: Communicator, abort: threading.Event) -> None:
+        self._comm, self._abort = comm, abort
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def size(self) -> int:
+        return self._comm.size
+
+    def _check(self, name: str) -> None:
+        if self._abort.is_set():
+            raise RuntimeError(f"{name} was not started: this pipeline stopped (an earlier failure or a world change)")
+
+    def allreduce_async_(self, x: Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
+                         prescale: float = 1.0, postscale: float = 1.0) -> Any:
+        self._check(name)
+        return self._comm.allreduce_async_(x, name, op, prescale, postscale)
+
+    def alltoall_async(self, x: Tensor, name: str) -> Any:
+        self._check(name)
+        return self._comm.alltoall_async(x, name)
+
+    def allgather_async(self, x: Tensor, name: str) -> Any:
+        self._check(name)
+        return self._comm.allgather_async(x, name)
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        self._check(name)
+        return self._comm.allgather_object(obj, name)
+
+
+def _copy_tree(value: Any, ops: MutableTensorOps) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy_tree(v, ops) for k, v in value.items()}
+    if isinstance(value, (int, float, str, type(None))):
+        return value
+    return ops.new_state(ops.read(value))

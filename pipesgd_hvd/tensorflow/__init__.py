@@ -1,0 +1,10 @@
+"""``import pipesgd_hvd.tensorflow as psgd``: the pipelined optimizer for custom TensorFlow loops.
+
+``psgd.DistributedOptimizer(keras_optimizer)`` is the same object as in ``pipesgd_hvd.keras``;
+use it with ``tf.GradientTape`` and ``optimizer.apply_gradients(zip(grads, variables))``,
+eagerly or inside ``tf.function`` (where the reduction overlaps the next step's compute).
+"""
+from ..compression import Compression
+from .optimizer import DistributedOptimizer
+
+__all__ = ["Compression", "DistributedOptimizer"]

@@ -1,0 +1,279 @@
+"""A Keras optimizer's pipeline: the shared life cycle around TensorFlow's traced executor.
+
+:class:`KerasCore` is :class:`~pipesgd_hvd.optimizer.lifecycle.PipelineLifecycle` (name, auto mode,
+weight prediction, checkpoint entry, elastic) over a
+:class:`~pipesgd_hvd.tensorflow.pipeline.GraphPipeline`, plus the graph ops of one step: the
+replica check, the exchange, and weight prediction around the wrapped optimizer's update. The
+auto mode needs Python between steps: ``after_steps()`` runs it, called by pipesgd_hvd's Keras
+callbacks after each batch of ``model.fit`` (any of them) or by an eager ``apply_gradients``;
+when it rebuilds the pipeline, the train function must be traced again.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import keras
+import tensorflow as tf
+
+from ..comm.base import Communicator
+from ..compression.codecs import Codec
+from ..ops.tensorflow import TensorFlowOps
+from ..optimizer import checkpoint
+from ..optimizer.lifecycle import PipelineLifecycle
+from ..optimizer.options import PipelineOptions
+from ..pipeline.config import PipelineConfig
+from ..pipeline.engine import AppliedStep
+from ..pipeline.fusion import TensorSpec
+from ..staleness.prediction import AdamState
+from .guards import ReplicaCheck, StepProgress
+from .pipeline import GraphPipeline
+
+NO_DEADLINE = 2**62
+AUTO_DRIVER_MESSAGE = (
+    "width='auto' / compression='auto' needs Python between steps to measure and switch, and nothing ran it: "
+    "in model.fit, add one of pipesgd_hvd.keras.callbacks (e.g. PipelineFlushCallback()) and keep "
+    "steps_per_execution=1; in a custom tf.function loop, call optimizer.after_steps() after each step and "
+    "trace the step function again when it returns True")
+
+ApplyFn = Callable[[List[Any], List[Any]], Any]
+
+
+def variable_name(v: Any) -> str:
+    """Keras 3 variables have a unique ``path`` ("dense_1/kernel"); tf.Variables have ``name``."""
+    return str(getattr(v, "path", None) or v.name)
+
+
+class KerasCore(PipelineLifecycle):
+    """The pipeline of one Keras optimizer, built when the optimizer is built."""
+
+    def __init__(self, options: PipelineOptions, variables: Sequence[Any], comm: Communicator,
+                 optimizer: Optional[Any] = None) -> None:
+        """``optimizer``: the wrapped Keras optimizer (held weakly: it owns this core), whose
+        moments ``staleness_correction="adam_prediction"`` reads."""
+        self._optimizer = (lambda: None) if optimizer is None else weakref.ref(optimizer)
+        self.variables = list(variables)
+        self.specs = [TensorSpec(variable_name(v), tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
+                      for v in self.variables]
+        self.progress = StepProgress()  # the watchdog of PIPESGD_TIMEOUT
+        # Eager even when Keras builds the optimizer inside a trace; the build's collectives (name,
+        # cross-rank check, codec priming) are watched like a step.
+        with tf.init_scope(), self.progress.eager_step():
+            super().__init__(options, [s.name for s in self.specs], comm, TensorFlowOps())
+        self.replicas = None if not options.check_replicas_every else \
+            ReplicaCheck(comm, self.graph.schedule, self.names, self.name)
+        with tf.init_scope():
+            # The auto mode's guard: a traced step past this index means nothing ran the checks.
+            self.auto_deadline = tf.Variable(NO_DEADLINE if self.auto_controller is None else options.auto.measure_steps,
+                                             dtype=tf.int64, trainable=False, name="pipesgd_auto_deadline")
+        self._driven_to = 0  # steps the auto mode has seen
+        self._track_prediction()
+        self.switched.append(self._track_prediction)
+
+    def _track_prediction(self) -> None:
+        """Weight prediction's and the corrections' variables are checkpointed with the pipeline
+        (tf.train.Checkpoint)."""
+        if self.prediction is not None:
+            self.graph.prediction_state = self.prediction.state()
+        if self.correction is not None:
+            self.graph.correction_state = self.correction.state()
+        if self.split is not None:
+            self.graph.correction_state = self.split.state()
+
+    def weights(self) -> List[Any]:
+        return self.variables
+
+    # ------------------------------------------------- adam_prediction: Keras's Adam, translated
+    def check_adam_support(self) -> None:
+        optimizer = self._optimizer()
+        if not isinstance(optimizer, keras.optimizers.Adam):  # AdamW is one too
+            raise ValueError("staleness_correction='adam_prediction' predicts with Adam's own next step, but the "
+                             f"wrapped optimizer is {type(optimizer).__name__}: wrap keras.optimizers.Adam or AdamW, "
+                             "or use staleness_correction='weight_prediction'")
+
+    def adam_state(self, index: int) -> Optional[AdamState]:
+        """Keras 3's Adam (``update_step``): moments by variable index, ``iterations`` updates
+        done, eps added to sqrt(v), weight decay decoupled (``_apply_weight_decay``) for Adam and
+        AdamW alike, where ``_use_weight_decay`` says so."""
+        opt, variable = self._optimizer(), self.variables[index]
+        i = opt._get_variable_index(variable)
+        v = opt._velocity_hats[i] if opt.amsgrad else opt._velocities[i]
+        decay = float(opt.weight_decay or 0.0) if opt._use_weight_decay(variable) else 0.0
+        return AdamState(m=tf.convert_to_tensor(opt._momentums[i]), v=tf.convert_to_tensor(v),
+                         step=tf.cast(opt.iterations, tf.float32), lr=tf.cast(opt.learning_rate, tf.float32),
+                         beta1=float(opt.beta_1), beta2=float(opt.beta_2), eps=float(opt.epsilon),
+                         decoupled_weight_decay=decay, eps_on_raw_v=True)
+
+    def optimizer_snapshot(self) -> "KerasOptimizerSnapshot":
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise ValueError("staleness_correction='split_batch' needs the wrapped Keras optimizer (KerasCore's "
+                             "optimizer argument)")
+        return KerasOptimizerSnapshot(optimizer)
+
+    def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
+                       check_ranks: bool) -> GraphPipeline:
+        return GraphPipeline(self.specs, comm=self.comm, codec=codec, config=config, first_step=first_step,
+                             check_ranks=check_ranks)
+
+    @property
+    def graph(self) -> GraphPipeline:
+        return self.pipeline  # type: ignore[return-value]
+
+    # --------------------------------------------------------------------------- the step
+    def step(self, grads: List[Any], variables: List[Any], apply: ApplyFn) -> List[tf.Tensor]:
+        """The replica check (when due), the exchange and the update (``apply``, the wrapped
+        optimizer's). Traced, returns the tensors that exist once every collective of the step is
+        done (for the watchdog); eagerly, it runs them."""
+        graph = self.graph
+        if self.auto_controller is not None:
+            tf.debugging.assert_less(graph.step_counter.read_value(), self.auto_deadline.read_value(),
+                                     message=AUTO_DRIVER_MESSAGE)
+        checked = None
+        if self.replicas is not None:  # the weights every rank's forward pass just used
+            checked = self.replicas(graph.step_counter.read_value(), variables)
+        # Read before exchange() counts the step (the same variable: ordered in the graph).
+        step, start = graph.step_counter.read_value(), graph.start.read_value()
+        reduced, should_apply = graph.exchange(grads)
+        if self.prediction is not None:  # the gradients were computed at predicted weights
+            self.prediction.restore(variables)
+        if self.correction is not None:  # staleness/corrections.py, with the traced step
+            has_stale = graph.schedule.has_stale(step, start)
+            reduced = self.correction.correct(list(reduced), variables, step - (graph.config.width - 1), has_stale,
+                                              list(grads))
+            self.correction.remember(step, variables, list(grads), tf.logical_not(graph.schedule.in_warmup(step)),
+                                     applies=has_stale)
+        if self.split is not None:  # a real step writes theta_t back first
+            reduced = self.split.gradients(list(reduced), variables, graph.schedule.has_stale(step, start))
+
+        def apply_now() -> tf.Tensor:
+            with self.split.around_update() if self.split is not None else contextlib.nullcontext():
+                apply(reduced, variables)
+            return tf.constant(True)
+
+        done: List[tf.Tensor] = []
+        if tf.executing_eagerly():
+            if bool(should_apply):
+                apply_now()
+        else:
+            # While the pipeline fills there is no averaged gradient yet: the wrapped optimizer
+            # does not run at all (its iteration counter, moments and weight decay stay put).
+            # A replica check that fails fails the step before anything is applied.
+            with tf.control_dependencies([] if checked is None else [checked]):
+                done.append(tf.cond(should_apply, apply_now, lambda: tf.constant(False)))
+        if self.split is not None:
+            self.split.skip_update()  # traced, or a fill step: nothing is left to wrap
+        if self.prediction is not None:
+            self.prediction.predict(variables)
+        return done
+
+    def flush(self, apply: ApplyFn) -> int:
+        """Eagerly and collectively: applies the averaged gradients still in flight, with the real
+        weights put back first. Returns how many steps."""
+        with self.progress.eager_step():
+            pending = self.graph.flush()
+        return self._apply_flushed(pending, apply)
+
+    def _apply_flushed(self, pending: Sequence[AppliedStep], apply: ApplyFn) -> int:
+        if self.prediction is not None:
+            self.prediction.reset(self.variables)  # the real weights, for evaluation or saving
+        for step in pending:
+            grads = [step.grads[i] for i in range(len(self.variables))]
+            if self.correction is not None:
+                grads = self.correction.settle(grads, self.variables, step.step)
+            if self.split is not None:
+                grads = self.split.settle(grads, self.variables)
+            apply(grads, self.variables)
+        return len(pending)
+
+    # -------------------------------------------------------------------------- auto mode
+    def after_steps(self, apply: ApplyFn) -> bool:
+        """Eagerly, after steps ended: feeds the auto mode the compute time of the last step and
+        runs its check when due (collective; flushed gradients are applied through ``apply``).
+        Returns True when the pipeline was rebuilt: traced step functions must be traced again."""
+        controller = self.auto_controller
+        ended = self.graph.step
+        if controller is None or ended <= self._driven_to:
+            return False
+        self._driven_to = ended
+        seconds = float(self.progress.compute_seconds.numpy())
+        if seconds >= 0:
+            controller.record_compute(seconds)
+        before = self.graph
+        with self.progress.eager_step():
+            flushed = controller.after_step(before, [])
+        if flushed:
+            self._apply_flushed(flushed, apply)
+        self.auto_deadline.assign(NO_DEADLINE if controller.next_check is None else controller.next_check)
+        return self.graph is not before
+
+    # ------------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> Dict[str, Any]:
+        """Eagerly and collectively: the checkpoint entry (pending gradients reduced now)."""
+        with self.progress.eager_step():
+            return self.compose_state()
+
+    def load_state_dict(self, entry: Dict[str, Any]) -> None:
+        entry, _ = checkpoint.read({checkpoint.KEY: entry})
+        with self.progress.eager_step():
+            self.load_entry(entry)
+        self.load_prediction(entry.get("prediction"))
+        self.load_correction(entry.get("corrections"))
+
+    # -------------------------------------------------------------------- Horovod elastic
+    # Called by keras/elastic.py's KerasState; the rule is pipesgd_hvd/optimizer/elastic.py's. Each
+    # replaces the pipeline: traced steps must be traced again (KerasState does it).
+    def elastic_restore(self, entry: Optional[Dict[str, Any]]) -> None:
+        """After a lost worker: back to the committed entry (``state_dict()``), no collective."""
+        with tf.init_scope():
+            # The step that failed never ends: nothing waits on it any more, so neither the
+            # watchdog nor the exit handler may count it as a step in progress.
+            self.progress.ended.assign(self.progress.begun.read_value())
+        super().elastic_restore(entry)
+        self._replaced()
+
+    def elastic_sync_from(self, root_state: Callable[[], Any], load_root_state: Callable[[Any], None]) -> None:
+        with self.progress.eager_step():
+            self.elastic_sync(root_state, load_root_state)
+        self.replicas = None if self.replicas is None else \
+            ReplicaCheck(self.comm, self.graph.schedule, self.names, self.name)
+        self._replaced()
+
+    def _replaced(self) -> None:
+        for listener in self.switched:  # the optimizer tracks the new pipeline's variables
+            listener()
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+class KerasOptimizerSnapshot:
+    """The wrapped Keras optimizer's variables (iterations, learning rate, moments), saved before
+    the split-batch rule's virtual update and put back after it (:mod:`pipesgd_hvd.staleness.split_batch`):
+    Keras builds them all before the first update, so a copy of each is the whole state."""
+
+    def __init__(self, optimizer: Any) -> None:
+        with tf.init_scope():
+            self.variables = list(optimizer.variables)
+            self.saved = [tf.Variable(tf.convert_to_tensor(v), trainable=False, name="pipesgd_optimizer_saved")
+                          for v in self.variables]
+
+    def save(self, when: Any) -> None:
+        _copy_where(when, self.variables, self.saved)
+
+    def restore(self, when: Any) -> None:
+        _copy_where(when, self.saved, self.variables)
+
+
+def _copy_where(when: Any, sources: Sequence[Any], targets: Sequence[Any]) -> None:
+    def copy() -> tf.Tensor:
+        for source, target in zip(sources, targets):
+            target.assign(tf.convert_to_tensor(source))
+        return tf.constant(True)
+
+    if isinstance(when, bool):
+        if when:
+            copy()
+        return
+    tf.cond(when, copy, lambda: tf.constant(False))
