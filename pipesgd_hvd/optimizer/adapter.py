@@ -1,16 +1,44 @@
-"""What the optimizer core (``optimizer/core.py``) asks of a framework whose training step runs
-in Python: the one interface an adapter implements (PyTorch's: ``torch/adapter.py``)."""
+"""What the optimizer asks of a framework.
+
+* :class:`FrameworkSide`: what the pipeline's life cycle (``optimizer/lifecycle.py``) needs of any
+  framework, eager or traced: the tensors it trains and its wrapped optimizer's state, for the
+  staleness corrections. Keras's is ``tensorflow/core.py``'s ``KerasSide``.
+* :class:`TrainingAdapter`: that, plus what the per-step policy (``optimizer/core.py``) needs of a
+  framework whose training step runs in Python: gradients, hooks, the update. PyTorch's is
+  ``torch/adapter.py``.
+"""
 from __future__ import annotations
 
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Tuple
 
-from ..ops.base import MutableTensorOps, Tensor
+from ..ops.base import MutableTensorOps, Tensor, TensorOps
 from ..pipeline.fusion import TensorSpec
+from ..staleness.prediction import AdamState
+from ..staleness.split_batch import OptimizerSnapshot
 
 
-class TrainingAdapter(Protocol):
-    """What the core needs from a framework whose training step runs in Python. Tensors are
-    addressed by their index in the core's tensor list (the order of ``tensor_specs()``)."""
+class FrameworkSide(Protocol):
+    """The tensors a pipelined optimizer trains and its wrapped optimizer, as the staleness
+    corrections reach them. Tensors are addressed by their index in the optimizer's list."""
+
+    ops: TensorOps
+
+    def weights(self) -> List[Tensor]:
+        """The tensors themselves (the corrections write them, inside ``weights_guard()``)."""
+    def weights_guard(self) -> ContextManager[Any]:
+        """The context to write them in (``torch.no_grad``)."""
+    def check_adam_support(self) -> None:
+        """Raises a ValueError naming the fix unless the wrapped optimizer is Adam/AdamW."""
+    def adam_state(self, index: int) -> Optional[AdamState]:
+        """Its :class:`~pipesgd_hvd.staleness.prediction.AdamState` for tensor ``index`` (None
+        before its first update), for ``staleness_correction="adam_prediction"``."""
+    def optimizer_snapshot(self) -> OptimizerSnapshot:
+        """The wrapped optimizer's state saved and put back around the split-batch rule's virtual
+        update (:mod:`pipesgd_hvd.staleness.split_batch`)."""
+
+
+class TrainingAdapter(FrameworkSide, Protocol):
+    """What the per-step policy needs from a framework whose training step runs in Python."""
 
     ops: MutableTensorOps
 
@@ -25,8 +53,8 @@ class TrainingAdapter(Protocol):
     def write_gradients(self, grads: Dict[int, Tensor], scale: Any, owned: bool = False) -> None:
         """Put the averaged gradients (times ``scale``: a float, 1.0 for none, or a 0-d tensor)
         where the update reads them; tensors missing from ``grads`` get none. ``owned``: the
-        tensors' memory is the adapter's now (see :class:`~pipesgd_hvd.pipeline.engine.AppliedStep`), so
-        they may become the gradients without a copy."""
+        tensors' memory is the adapter's now (see :class:`~pipesgd_hvd.pipeline.engine.AppliedStep`),
+        so they may become the gradients without a copy."""
     def zero_gradients(self) -> None: ...
     def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Run the wrapped optimizer's update on the written gradients."""
@@ -38,22 +66,14 @@ class TrainingAdapter(Protocol):
         """Every present gradient is zero (how Horovod's broadcast_optimizer_state creates state)."""
     def optimizer_has_state(self) -> bool:
         """The wrapped optimizer holds per-tensor state (momentum buffers, moments)."""
-    def weights(self) -> List[Tensor]:
-        """The tensors themselves (weight prediction writes them, inside ``weights_guard()``)."""
-    def weights_guard(self) -> ContextManager[Any]: ...
     def replica_fingerprints(self) -> List[Tuple[str, Any]]:
         """(name, host array) per tensor for the replica check: arrays that are equal iff the
         tensors are bitwise equal (the values, or a fingerprint computed on the device)."""
-    def optimizer_snapshot(self) -> Any:
-        """An :class:`~pipesgd_hvd.staleness.split_batch.OptimizerSnapshot` of the wrapped optimizer."""
     def optimizer_state_dict(self) -> Dict[str, Any]: ...
     def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None: ...
     def watch_gradients(self, ready: Callable[[int], None]) -> None:
         """Make every trainable tensor report its gradient, ``ready(index)``, as soon as it is
-        produced (called again after each step: tensors unfrozen since then start reporting)."""
+        produced (called again when the trainable set changes: tensors unfrozen since then start
+        reporting)."""
     def unwatch_gradients(self) -> None:
         """Stop reporting (the optimizer is gone)."""
-    def check_adam_support(self) -> None:
-        """Raises a ValueError naming the fix unless the wrapped optimizer is Adam/AdamW."""
-    def adam_state(self, index: int) -> Any:
-        """Its :class:`~pipesgd_hvd.staleness.prediction.AdamState` for tensor ``index`` (None before an update)."""

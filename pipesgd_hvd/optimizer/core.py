@@ -61,7 +61,7 @@ class OptimizerCore(PipelineLifecycle):
     def __init__(self, options: PipelineOptions, names: Sequence[str], adapter: TrainingAdapter,
                  comm: Communicator, comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         self.adapter = adapter
-        super().__init__(options, names, comm, adapter.ops, comm_factory)
+        super().__init__(options, names, comm, adapter, comm_factory)
         self._weights_predicted = False  # the tensors hold the prediction, not the real weights
         self._passes = [0] * len(self.names)
         self._synchronized = False       # synchronize() ran; step() has not
@@ -70,6 +70,7 @@ class OptimizerCore(PipelineLifecycle):
         self.should_synchronize = True   # False inside skip_synchronize()
         self._resume_checked = False     # the ranks compared their pipeline state since the last load
         self._last_training: Optional[List[bool]] = None  # who trained at the latest step anyone did
+        self._watched: Sequence[int] = ()  # the tensors whose gradients the hooks report
         adapter.watch_gradients(self.gradient_ready)
         # Nothing computed is lost: gradients still in flight when the interpreter exits are applied.
         call_at_exit(self, OptimizerCore.finish_at_exit)
@@ -77,12 +78,6 @@ class OptimizerCore(PipelineLifecycle):
         # program, after issuing the same reductions, so they complete on their own and are
         # abandoned alike everywhere; say so, and stop its hooks.
         weakref.finalize(self, _dropped, self._held, adapter).atexit = False
-
-    def weights(self) -> List[Tensor]:
-        return self.adapter.weights()
-
-    def weights_guard(self) -> ContextManager[Any]:
-        return self.adapter.weights_guard()
 
     def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
                        check_ranks: bool) -> PipelineEngine:
@@ -109,14 +104,13 @@ class OptimizerCore(PipelineLifecycle):
         self._passes = [0] * len(self.names)
         self.rebuild()
         self.adapter.watch_gradients(self.gradient_ready)
+        self._watched = ()
 
     # ------------------------------------------------------------------------ the step itself
     def gradient_ready(self, index: int) -> None:
         """Tensor ``index``'s local gradient was produced (a backward-pass hook). Issues no
         collective, so it may run inside the framework's backward pass."""
-        if not self.adapter.has_local_gradient(index):
-            return
-        engine = self.engine
+        engine = self.engine  # (a post-accumulate hook: the tensor has its gradient)
         if not engine.step_open:
             if self._synchronized:
                 # The last synchronized step was never applied: GradScaler.step() skips
@@ -142,24 +136,29 @@ class OptimizerCore(PipelineLifecycle):
         engine = self.engine
         if engine.replica_check_due():  # weights after the previous step's update, on every rank
             engine.check_replicas(self.adapter.replica_fingerprints())
-        trainable = self.adapter.trainable()
         if not engine.step_open:
+            trainable = self.adapter.trainable()
             if not any(self.adapter.has_local_gradient(i) for i in trainable):
                 raise RuntimeError("step()/synchronize() was called without a backward pass since the last step: "
                                    "call loss.backward() before every step() on every rank (to skip a batch, skip "
                                    "both on all ranks)")
             engine.begin_step(trainable)
-        # Gradients whose hook did not fire (set by hand, or a tensor unfrozen since the hooks
-        # were registered) are taken as they are, as Horovod's synchronize() does.
-        for i in trainable:
-            if not engine.has_gradient(i) and self.adapter.has_local_gradient(i):
-                engine.add_gradient_(i, self.adapter.local_gradient(i))
+        trainable = engine.open_indices
+        if engine.missing_gradients:
+            # Gradients whose hook did not fire (set by hand, or a tensor unfrozen since the hooks
+            # were registered) are taken as they are, as Horovod's synchronize() does.
+            for i in trainable:
+                if not engine.has_gradient(i) and self.adapter.has_local_gradient(i):
+                    engine.add_gradient_(i, self.adapter.local_gradient(i))
         self._passes = [0] * len(self.names)
-        self.adapter.watch_gradients(self.gradient_ready)
+        if trainable != self._watched:  # tensors unfrozen since: their hooks start now
+            self.adapter.watch_gradients(self.gradient_ready)
+            self._watched = trainable
         if not self._resume_checked:
             self._agree_on_resumed_state()
         this_step = engine.step
-        applied = engine.end_step(meta=self.adapter.loss_scale())
+        scale = self.adapter.loss_scale()  # read once: the step's meta and the rescale of older steps
+        applied = engine.end_step(meta=scale)
         if self.auto_controller is not None:  # at a check: flushed steps to apply; maybe a new engine
             applied = applied + self.auto_controller.after_step(engine, applied)
         self._note_training(applied)
@@ -172,11 +171,11 @@ class OptimizerCore(PipelineLifecycle):
                 applied[-1] = self._with_grads(last, self.split.gradients(
                     self._grad_list(last), self.adapter.weights(), stale=last.step != this_step))
         for early in applied[:-1]:  # only when the width shrinks: apply older steps right away
-            self._write(early)
+            self._write(early, scale)
             self.adapter.apply_update()
         self._apply_pending = bool(applied)
         if applied:
-            self._write(applied[-1])
+            self._write(applied[-1], scale)
         else:
             # Nothing to apply while the pipeline fills: zero gradients (not None, so that code run
             # between synchronize() and step(), e.g. GradScaler.unscale_, sees finite gradients);
@@ -258,13 +257,12 @@ class OptimizerCore(PipelineLifecycle):
             engine.adopt(state)
         self._stepped = True
 
-    def _write(self, applied: AppliedStep, unscale: bool = False) -> None:
-        """The gradients of ``applied``, rescaled by the ratio of loss scales (now / when they were
-        computed; 1 when ``unscale``: the caller wants them unscaled)."""
+    def _write(self, applied: AppliedStep, scale_now: Any) -> None:
+        """The gradients of ``applied``, rescaled by the ratio of loss scales (``scale_now`` / the
+        scale they were computed with; ``scale_now`` 1.0: the caller wants them unscaled)."""
         ratio: Any = 1.0
         if applied.meta is not None:  # floats, or device tensors divided on the device (no sync)
-            now = 1.0 if unscale else self.adapter.loss_scale()
-            ratio = now / applied.meta
+            ratio = scale_now / applied.meta
         self.adapter.write_gradients(applied.grads, ratio, owned=applied.owned)
 
     def flush(self, check_steps: bool = True) -> int:
@@ -296,7 +294,7 @@ class OptimizerCore(PipelineLifecycle):
                 with self.adapter.weights_guard():
                     applied = self._with_grads(applied, self.split.settle(self._grad_list(applied),
                                                                            self.adapter.weights()))
-            self._write(applied, unscale=scaled)
+            self._write(applied, 1.0)
             if not scaled or self.adapter.gradients_finite():
                 self.adapter.apply_update()
                 applied_count += 1
@@ -364,15 +362,6 @@ class OptimizerCore(PipelineLifecycle):
         # not owned: a correction may keep what it returns (its state of the steps in flight)
         return dataclasses.replace(applied, grads={i: g for i, g in enumerate(grads) if g is not None},
                                    owned=False)
-
-    def adam_state(self, index: int) -> Any:
-        return self.adapter.adam_state(index)
-
-    def optimizer_snapshot(self) -> Any:
-        return self.adapter.optimizer_snapshot()
-
-    def check_adam_support(self) -> None:
-        self.adapter.check_adam_support()
 
     # ------------------------------------------------------- staleness correction (prediction)
     def _restore_real_weights(self) -> None:

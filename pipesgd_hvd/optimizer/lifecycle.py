@@ -18,23 +18,22 @@ subclass's ``build_pipeline``) and everything that replaces or saves it:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import weakref
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from ..auto.controller import AutoController
 from ..comm.base import Communicator
 from ..compression import resolve_compression
 from ..compression.codecs import Codec
-from ..ops.base import Tensor, TensorOps
 from ..pipeline.config import PipelineConfig, WireStats
 from ..pipeline.engine import AppliedStep
 from ..pipeline.fusion import TensorSpec
 from ..pipeline.guards import agree_pipeline_name, provisional_name
 from ..staleness.corrections import DelayCompensation, EagerMix, StaleCorrection
-from ..staleness.split_batch import OptimizerSnapshot, SplitBatch
-from ..staleness.prediction import AdamPrediction, AdamState, WeightPrediction
+from ..staleness.split_batch import SplitBatch
+from ..staleness.prediction import AdamPrediction, WeightPrediction
 from . import checkpoint, elastic
+from .adapter import FrameworkSide
 from .options import PipelineOptions
 
 
@@ -66,14 +65,15 @@ class PipelineLifecycle:
     # where the step is traced (Keras), so they must be graph variables.
     eager_steps = False
 
-    def __init__(self, options: PipelineOptions, names: Sequence[str], comm: Communicator, ops: TensorOps,
+    def __init__(self, options: PipelineOptions, names: Sequence[str], comm: Communicator, framework: FrameworkSide,
                  comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         """``comm_factory``: builds the transport again for a new Horovod elastic world
         (collective); the transport is then this optimizer's own, closed at a change of the world
-        and at exit. Subclasses supply the framework's side: :meth:`build_pipeline`,
-        :meth:`weights`, :meth:`weights_guard`. Nothing here holds a reference to ``self``
-        (callbacks are weak): an optimizer the user drops is freed at once, and its hooks stop."""
-        self.options, self.comm, self.ops = options, comm, ops
+        and at exit. ``framework``: the tensors and the wrapped optimizer (PyTorch's adapter, or
+        Keras's side); subclasses supply :meth:`build_pipeline`. Nothing here holds a reference to
+        ``self`` (callbacks are weak): an optimizer the user drops is freed at once, and its hooks
+        stop."""
+        self.options, self.comm, self.framework, self.ops = options, comm, framework, framework.ops
         self._comm_factory = comm_factory
         self._held: List[Any] = [None]  # the pipeline, where a finalizer can see it without holding self
         self.names = list(names)
@@ -84,7 +84,7 @@ class PipelineLifecycle:
         self._name = provisional_name() if joining else agree_pipeline_name(comm)
         self.pipeline = self._new_pipeline(check_ranks=not joining)
         self.auto_controller = None if options.auto is None else \
-            AutoController(options.auto, comm, ops, rebuild=weak_method(self._switch))
+            AutoController(options.auto, comm, self.ops, rebuild=weak_method(self._switch))
         self.prediction = self._new_prediction()
         self.correction = self._new_correction()
         self.split = self._new_split()
@@ -118,14 +118,6 @@ class PipelineLifecycle:
         (collective) now."""
         raise NotImplementedError
 
-    def weights(self) -> List[Tensor]:
-        """The tensors weight prediction writes."""
-        raise NotImplementedError
-
-    def weights_guard(self) -> ContextManager[Any]:
-        """The context to write them in (``torch.no_grad``)."""
-        return contextlib.nullcontext()
-
     def rebuild(self) -> None:
         """A new pipeline over the same settings (the tensor list changed before training)."""
         self.pipeline.close()
@@ -146,26 +138,16 @@ class PipelineLifecycle:
         for listener in self.switched:
             listener()
 
-    def adam_state(self, index: int) -> Optional[AdamState]:
-        """The wrapped Adam/AdamW's moments and settings for tensor ``index`` (None before its
-        first update), for ``staleness_correction="adam_prediction"``."""
-        raise NotImplementedError
-
-    def check_adam_support(self) -> None:
-        """Raises a ValueError naming the fix where the wrapped optimizer is not Adam/AdamW."""
-        raise ValueError("staleness_correction='adam_prediction' needs an adapter that reads Adam's moments, and this "
-                         "one does not: use 'weight_prediction', 'delay_compensation' or 'eager'")
-
     def _new_prediction(self) -> Optional[WeightPrediction]:
         kind = self.options.staleness_correction
         if kind not in ("weight_prediction", "adam_prediction"):
             return None
-        with self.weights_guard():
+        with self.framework.weights_guard():
             if kind == "adam_prediction":
-                self.check_adam_support()
-                return AdamPrediction(self.ops, self.weights(), weak_method(self.adam_state),
+                self.framework.check_adam_support()
+                return AdamPrediction(self.ops, self.framework.weights(), self.framework.adam_state,
                                       host_flag=self.eager_steps)
-            return WeightPrediction(self.ops, self.weights(), host_flag=self.eager_steps)
+            return WeightPrediction(self.ops, self.framework.weights(), host_flag=self.eager_steps)
 
     def _new_correction(self) -> Optional[StaleCorrection]:
         """Delay compensation or eager mixing; None without one, and at width 1 (every gradient
@@ -173,22 +155,17 @@ class PipelineLifecycle:
         kind = self.options.staleness_correction
         if self.width == 1 or kind not in ("delay_compensation", "eager"):
             return None
-        with self.weights_guard():
+        with self.framework.weights_guard():
             if kind == "delay_compensation":
-                return DelayCompensation(self.ops, self.weights(), self.width, self.options.dc_lambda, self.eager_steps)
-            return EagerMix(self.ops, self.weights(), self.width, self.comm.size, self.eager_steps)
-
-    def optimizer_snapshot(self) -> OptimizerSnapshot:
-        """The wrapped optimizer's state, saved and put back around the split-batch rule's
-        virtual update (:mod:`pipesgd_hvd.staleness.split_batch`)."""
-        raise NotImplementedError
+                return DelayCompensation(self.ops, self.framework.weights(), self.width, self.options.dc_lambda, self.eager_steps)
+            return EagerMix(self.ops, self.framework.weights(), self.width, self.comm.size, self.eager_steps)
 
     def _new_split(self) -> Optional[SplitBatch]:
         """The split-batch rule; None without it, and at width 1 (every gradient is fresh)."""
         if self.width == 1 or self.options.staleness_correction != "split_batch":
             return None
-        with self.weights_guard():
-            return SplitBatch(self.ops, self.weights(), self.optimizer_snapshot(), self.eager_steps)
+        with self.framework.weights_guard():
+            return SplitBatch(self.ops, self.framework.weights(), self.framework.optimizer_snapshot(), self.eager_steps)
 
     # ------------------------------------------------------------------------ checkpointing
     def compose_state(self) -> Dict[str, Any]:
@@ -203,8 +180,8 @@ class PipelineLifecycle:
         if self.correction is not None:
             return self.correction.state_dict(self.names)
         if self.split is not None:
-            with self.weights_guard():
-                return self.split.state_dict(self.names, self.weights())
+            with self.framework.weights_guard():
+                return self.split.state_dict(self.names, self.framework.weights())
         return None
 
     def load_entry(self, entry: Dict[str, Any]) -> None:
@@ -220,8 +197,8 @@ class PipelineLifecycle:
         is computed at (with the correction), or the real weights (a correction checkpoint
         resumed without it). A checkpoint without prediction state starts predicting afresh.
         Returns whether the tensors now hold a prediction."""
-        weights = self.weights()
-        with self.weights_guard():
+        weights = self.framework.weights()
+        with self.framework.weights_guard():
             if self.prediction is not None and saved is not None:
                 self.prediction.load_state_dict(saved, self.names, weights)
             elif self.prediction is not None:
@@ -235,11 +212,11 @@ class PipelineLifecycle:
         """After the model's weights were loaded: the correction's per-step state, or (saved
         without it) a start that applies the in-flight averages uncorrected."""
         if self.correction is not None:
-            with self.weights_guard():
-                self.correction.load_state_dict(saved, self.names, self.weights())
+            with self.framework.weights_guard():
+                self.correction.load_state_dict(saved, self.names, self.framework.weights())
         if self.split is not None:
-            with self.weights_guard():
-                self.split.load_state_dict(saved, self.names, self.weights())
+            with self.framework.weights_guard():
+                self.split.load_state_dict(saved, self.names, self.framework.weights())
 
     # -------------------------------------------------------------------- Horovod elastic
     def check_elastic_support(self) -> None:

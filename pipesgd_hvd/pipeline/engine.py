@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..comm.base import Communicator, ReduceOp
-from ..compression.allreduce import Reduction, padded_numel, reduce_bucket
+from ..compression.allreduce import Reduction, compressed_allreduce, padded_numel, reduce_bucket
 from ..compression.codecs import Codec, NoneCodec
 from ..ops.base import MutableTensorOps, Tensor
 from ..ops.seeds import Seed
@@ -126,6 +126,19 @@ class PipelineEngine:
     def step_open(self) -> bool:
         """Gradients of the current step have been handed in and the step has not ended."""
         return self._current is not None
+
+    @property
+    def open_indices(self) -> Sequence[int]:
+        """The spec indices the open step reduces (those that required grad when it began)."""
+        if self._current is None:
+            raise RuntimeError("no step is open")
+        return self._current.layout.indices
+
+    @property
+    def missing_gradients(self) -> int:
+        """How many of the open step's gradients have not been handed in yet."""
+        cur = self._current
+        return 0 if cur is None else len(cur.layout.indices) - len(cur.seen)
 
     def has_gradient(self, index: int) -> bool:
         """Spec ``index``'s gradient was handed in during the open step."""
@@ -374,8 +387,8 @@ class PipelineEngine:
                 with ops.stream_guard(flat):
                     ops.wait_marker(marker)
                     ops.record_use(flat)
-                    out, sent = reduce_bucket(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
-                                              prescale=prescale, postscale=postscale, numel=bucket.numel).wait()
+                    out, sent = compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
+                                                     prescale=prescale, postscale=postscale, numel=bucket.numel)
                     return out, sent, ops.ready_marker(out)
             except BaseException:
                 abort.set()  # before the main thread even sees it: the next queued job must not start

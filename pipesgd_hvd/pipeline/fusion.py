@@ -21,6 +21,7 @@ engine launches them on every rank.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
@@ -86,8 +87,9 @@ class FusionLayout:
     placement: Dict[int, Tuple[int, Member]] = field(compare=False, repr=False)
     key: str = ""                                    # short, rank-independent id (used in op names)
 
-    @property
+    @functools.cached_property
     def indices(self) -> Tuple[int, ...]:
+        """The spec indices it covers, sorted (asked at every step: computed once)."""
         return tuple(sorted(self.placement))
 
 

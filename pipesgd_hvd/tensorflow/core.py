@@ -52,7 +52,6 @@ class KerasCore(PipelineLifecycle):
                  optimizer: Optional[Any] = None) -> None:
         """``optimizer``: the wrapped Keras optimizer (held weakly: it owns this core), whose
         moments ``staleness_correction="adam_prediction"`` reads."""
-        self._optimizer = (lambda: None) if optimizer is None else weakref.ref(optimizer)
         self.variables = list(variables)
         self.specs = [TensorSpec(variable_name(v), tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
                       for v in self.variables]
@@ -60,7 +59,7 @@ class KerasCore(PipelineLifecycle):
         # Eager even when Keras builds the optimizer inside a trace; the build's collectives (name,
         # cross-rank check, codec priming) are watched like a step.
         with tf.init_scope(), self.progress.eager_step():
-            super().__init__(options, [s.name for s in self.specs], comm, TensorFlowOps())
+            super().__init__(options, [s.name for s in self.specs], comm, KerasSide(self.variables, optimizer))
         self.replicas = None if not options.check_replicas_every else \
             ReplicaCheck(comm, self.graph.schedule, self.names, self.name)
         with tf.init_scope():
@@ -80,37 +79,6 @@ class KerasCore(PipelineLifecycle):
             self.graph.correction_state = self.correction.state()
         if self.split is not None:
             self.graph.correction_state = self.split.state()
-
-    def weights(self) -> List[Any]:
-        return self.variables
-
-    # ------------------------------------------------- adam_prediction: Keras's Adam, translated
-    def check_adam_support(self) -> None:
-        optimizer = self._optimizer()
-        if not isinstance(optimizer, keras.optimizers.Adam):  # AdamW is one too
-            raise ValueError("staleness_correction='adam_prediction' predicts with Adam's own next step, but the "
-                             f"wrapped optimizer is {type(optimizer).__name__}: wrap keras.optimizers.Adam or AdamW, "
-                             "or use staleness_correction='weight_prediction'")
-
-    def adam_state(self, index: int) -> Optional[AdamState]:
-        """Keras 3's Adam (``update_step``): moments by variable index, ``iterations`` updates
-        done, eps added to sqrt(v), weight decay decoupled (``_apply_weight_decay``) for Adam and
-        AdamW alike, where ``_use_weight_decay`` says so."""
-        opt, variable = self._optimizer(), self.variables[index]
-        i = opt._get_variable_index(variable)
-        v = opt._velocity_hats[i] if opt.amsgrad else opt._velocities[i]
-        decay = float(opt.weight_decay or 0.0) if opt._use_weight_decay(variable) else 0.0
-        return AdamState(m=tf.convert_to_tensor(opt._momentums[i]), v=tf.convert_to_tensor(v),
-                         step=tf.cast(opt.iterations, tf.float32), lr=tf.cast(opt.learning_rate, tf.float32),
-                         beta1=float(opt.beta_1), beta2=float(opt.beta_2), eps=float(opt.epsilon),
-                         decoupled_weight_decay=decay, eps_on_raw_v=True)
-
-    def optimizer_snapshot(self) -> "KerasOptimizerSnapshot":
-        optimizer = self._optimizer()
-        if optimizer is None:
-            raise ValueError("staleness_correction='split_batch' needs the wrapped Keras optimizer (KerasCore's "
-                             "optimizer argument)")
-        return KerasOptimizerSnapshot(optimizer)
 
     def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
                        check_ranks: bool) -> GraphPipeline:
@@ -246,6 +214,49 @@ class KerasCore(PipelineLifecycle):
 
     def close(self) -> None:
         self.pipeline.close()
+
+
+class KerasSide:
+    """Keras's :class:`~pipesgd_hvd.optimizer.adapter.FrameworkSide`: the trainable variables and
+    the wrapped Keras optimizer (held weakly: it owns the core that holds this)."""
+
+    def __init__(self, variables: Sequence[Any], optimizer: Optional[Any]) -> None:
+        self.ops = TensorFlowOps()
+        self.variables = list(variables)
+        self._optimizer = (lambda: None) if optimizer is None else weakref.ref(optimizer)
+
+    def weights_guard(self) -> Any:
+        return contextlib.nullcontext()
+
+    def weights(self) -> List[Any]:
+        return self.variables
+
+    def check_adam_support(self) -> None:
+        optimizer = self._optimizer()
+        if not isinstance(optimizer, keras.optimizers.Adam):  # AdamW is one too
+            raise ValueError("staleness_correction='adam_prediction' predicts with Adam's own next step, but the "
+                             f"wrapped optimizer is {type(optimizer).__name__}: wrap keras.optimizers.Adam or AdamW, "
+                             "or use staleness_correction='weight_prediction'")
+
+    def adam_state(self, index: int) -> Optional[AdamState]:
+        """Keras 3's Adam (``update_step``): moments by variable index, ``iterations`` updates
+        done, eps added to sqrt(v), weight decay decoupled (``_apply_weight_decay``) for Adam and
+        AdamW alike, where ``_use_weight_decay`` says so."""
+        opt, variable = self._optimizer(), self.variables[index]
+        i = opt._get_variable_index(variable)
+        v = opt._velocity_hats[i] if opt.amsgrad else opt._velocities[i]
+        decay = float(opt.weight_decay or 0.0) if opt._use_weight_decay(variable) else 0.0
+        return AdamState(m=tf.convert_to_tensor(opt._momentums[i]), v=tf.convert_to_tensor(v),
+                         step=tf.cast(opt.iterations, tf.float32), lr=tf.cast(opt.learning_rate, tf.float32),
+                         beta1=float(opt.beta_1), beta2=float(opt.beta_2), eps=float(opt.epsilon),
+                         decoupled_weight_decay=decay, eps_on_raw_v=True)
+
+    def optimizer_snapshot(self) -> "KerasOptimizerSnapshot":
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise ValueError("staleness_correction='split_batch' needs the wrapped Keras optimizer (KerasCore's "
+                             "optimizer argument)")
+        return KerasOptimizerSnapshot(optimizer)
 
 
 class KerasOptimizerSnapshot:
