@@ -18,6 +18,7 @@ from ..compression import Compression, resolve_compression
 from ..pipeline.config import PipelineConfig
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 from ..staleness.formulas import DEFAULT_DC_LAMBDA, check_dc_lambda
+from ..staleness.rule import choose as choose_correction
 
 #: ``staleness_correction`` values: weight prediction (:mod:`pipesgd_hvd.staleness.prediction`, extrapolating
 #: the last update, or Adam's own next step), the gradient-side corrections of
@@ -55,9 +56,12 @@ class PipelineOptions:
                        staleness_correction: Any = False, dc_lambda: Any = DEFAULT_DC_LAMBDA,
                        backward_passes_per_step: Any = 1,
                        sparse_as_dense: Any = False, auto_measure_steps: Any = 10, auto_recheck_every: Any = 500,
-                       communicator: Any = None, process_set: Any = None, hvd: Any = None) -> "PipelineOptions":
+                       communicator: Any = None, process_set: Any = None, hvd: Any = None,
+                       optimizer_family: Optional[str] = None) -> "PipelineOptions":
         """``hvd``: the Horovod module of the framework, if installed (resolves ``hvd.Average``,
-        ``hvd.Sum``, ``hvd.Adasum`` and the global process set)."""
+        ``hvd.Sum``, ``hvd.Adasum`` and the global process set). ``optimizer_family``: the
+        wrapped optimizer's (:data:`pipesgd_hvd.staleness.rule.FAMILIES`), which
+        ``staleness_correction="auto"`` chooses by."""
         check_global_process_set(process_set, hvd)
         if not isinstance(sparse_as_dense, bool):
             raise ValueError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
@@ -66,7 +70,8 @@ class PipelineOptions:
                       fusion_threshold_bytes=fusion_threshold_bytes(fusion_threshold_mb), op=resolve_reduce_op(op, hvd),
                       gradient_predivide_factor=gradient_predivide_factor, seed=seed,
                       check_replicas_every=check_replicas_every or 0,
-                      staleness_correction=check_staleness_correction(staleness_correction),
+                      staleness_correction=check_staleness_correction(staleness_correction, optimizer_family,
+                                                                      pipeline_auto=auto is not None),
                       dc_lambda=check_dc_lambda(dc_lambda),
                       backward_passes_per_step=check_backward_passes(backward_passes_per_step),
                       sparse_as_dense=sparse_as_dense, auto=auto, communicator=communicator)
@@ -156,14 +161,18 @@ def check_correction_fits(options: PipelineOptions) -> None:
                          "check_replicas_every=0, or use 'delay_compensation'")
 
 
-def check_staleness_correction(value: Any) -> Optional[str]:
-    """``staleness_correction``: False/None (default), True (weight prediction) or a name of
+def check_staleness_correction(value: Any, optimizer_family: Optional[str] = None,
+                               pipeline_auto: bool = False) -> Optional[str]:
+    """``staleness_correction``: False/None (default), True (weight prediction), ``"auto"`` (the
+    rule of :mod:`pipesgd_hvd.staleness.rule` for ``optimizer_family``) or a name of
     :data:`STALENESS_CORRECTIONS`."""
     if value is False or value is None:
         return None
     if value is True:
         return "weight_prediction"
+    if value == "auto":
+        return choose_correction(optimizer_family, pipeline_auto)
     if isinstance(value, str) and value in STALENESS_CORRECTIONS:
         return value
-    raise ValueError(f"staleness_correction must be False, True or {' / '.join(map(repr, STALENESS_CORRECTIONS))}, "
-                     f"got {value!r}")
+    raise ValueError(f"staleness_correction must be False, True, 'auto' or "
+                     f"{' / '.join(map(repr, STALENESS_CORRECTIONS))}, got {value!r}")

@@ -146,6 +146,22 @@ def _dense(grad: Any, variable: Any) -> Any:
     return grad
 
 
+# Per-coordinate step sizes: staleness_correction="auto" treats these alike (staleness/rule.py).
+_ADAPTIVE = ("Adam", "AdamW", "Nadam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Adafactor")
+
+
+def optimizer_family(optimizer: Any) -> str:
+    """The wrapped Keras optimizer's family for ``staleness_correction="auto"``: Keras's own
+    classes and their subclasses by their Keras base class; anything else is "other"."""
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("keras"):
+            if cls.__name__ in _ADAPTIVE:
+                return "adaptive"
+            if cls.__name__ == "SGD":
+                return "sgd"
+    return "other"
+
+
 _CLASSES: Dict[Type[Any], Type[Any]] = {}
 
 
@@ -202,7 +218,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
         op=op, gradient_predivide_factor=gradient_predivide_factor, seed=seed,
         check_replicas_every=check_replicas_every, staleness_correction=staleness_correction,
         dc_lambda=dc_lambda, backward_passes_per_step=backward_passes_per_step, auto_measure_steps=auto_measure_steps,
-        auto_recheck_every=auto_recheck_every, communicator=communicator, process_set=process_set, hvd=_hvd)
+        auto_recheck_every=auto_recheck_every, communicator=communicator, process_set=process_set, hvd=_hvd,
+        optimizer_family=optimizer_family(optimizer))
     if options.backward_passes_per_step > 1:
         raise ValueError("backward_passes_per_step > 1 is not supported for Keras: set Keras's own "
                          "gradient_accumulation_steps=N on the optimizer you wrap instead")

@@ -2,7 +2,7 @@
 
 Every error names the argument or tensor and says the fix; ``docs/reliability.md`` lists them
 with the test that checks each. Checks shared with other frameworks live in
-``pipesgd_hvd/options.py`` and :class:`~pipesgd_hvd.pipeline.engine.PipelineConfig`.
+``pipesgd_hvd/optimizer/options.py`` and :class:`~pipesgd_hvd.pipeline.config.PipelineConfig`.
 """
 from __future__ import annotations
 
@@ -132,3 +132,19 @@ def check_groups(num_groups: Any, groups: Any, params: Sequence[torch.Tensor]) -
             for g in groups):
         raise ValueError("groups must be an int >= 0 or a list of lists of the optimizer's parameters "
                          "(Horovod's argument; ignored here: gradients are fused by fusion_threshold_mb)")
+
+
+# Per-coordinate step sizes: staleness_correction="auto" treats these alike (staleness/rule.py).
+_ADAPTIVE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "SparseAdam")
+
+
+def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
+    """The wrapped optimizer's family for ``staleness_correction="auto"``: torch's own classes
+    and their subclasses by their torch base class; anything else is "other"."""
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim"):
+            if cls.__name__ in _ADAPTIVE:
+                return "adaptive"
+            if cls.__name__ == "SGD":
+                return "sgd"
+    return "other"

@@ -106,7 +106,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check_replicas_every=check_replicas_every, staleness_correction=staleness_correction,
             dc_lambda=dc_lambda, backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
             auto_measure_steps=auto_measure_steps, auto_recheck_every=auto_recheck_every,
-            communicator=communicator, process_set=process_set, hvd=_hvd)
+            communicator=communicator, process_set=process_set, hvd=_hvd,
+            optimizer_family=checks.optimizer_family(optimizer))
         checks.check_grad_scaler(grad_scaler)
         if grad_scaler is not None and options.staleness_correction in GRADIENT_CORRECTIONS:
             # Their terms mix gradients scaled by different loss scales (g * g, local shares).

@@ -1,0 +1,30 @@
+"""``staleness_correction="auto"``: which correction to use with which optimizer.
+
+The choice is per optimizer family, from the accuracy study (``docs/accuracy.md``, its rule
+section has the measurements behind each row). The framework packages say which family the
+wrapped optimizer belongs to (:data:`FAMILIES`); :func:`choose` maps it to a correction.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+#: adaptive: Adam and its kin (per-coordinate step sizes: Adam, AdamW, NAdam, RAdam, Adamax,
+#: Adagrad, Adadelta, RMSprop); sgd: SGD with or without momentum; other: anything else
+#: (Muon, LBFGS, Lion, custom optimizers).
+FAMILIES = ("adaptive", "sgd", "other")
+
+#: The correction each family gets at width 2 (docs/accuracy.md, "The rule").
+RULE: Dict[str, Optional[str]] = {"adaptive": "split_batch", "sgd": "eager", "other": None}
+
+#: With width="auto" or compression="auto" the pipeline is rebuilt mid-run, which the corrections
+#: that keep per-step state do not survive: weight prediction stands in for them.
+RULE_WITH_AUTO: Dict[str, Optional[str]] = {"adaptive": "weight_prediction", "sgd": "weight_prediction",
+                                            "other": None}
+
+
+def choose(family: Optional[str], pipeline_auto: bool) -> Optional[str]:
+    """The correction for an optimizer of ``family`` (None: no correction)."""
+    if family not in FAMILIES:
+        raise ValueError(f"staleness_correction='auto' needs the wrapped optimizer's family, one of {FAMILIES}; "
+                         f"got {family!r}: pass a correction by name instead")
+    return (RULE_WITH_AUTO if pipeline_auto else RULE)[family]
