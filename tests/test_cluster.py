@@ -1,4 +1,4 @@
-"""The emulated cluster (benchmarks/cluster): hosts reach each other over shaped links, ranks start
+"""The emulated cluster (tools/cluster): hosts reach each other over shaped links, ranks start
 one per host, and tear-down leaves no namespace behind, also after a failure or a signal."""
 import os
 import shutil
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from benchmarks.cluster.netns import Cluster, leftover_namespaces
+from tools.cluster.netns import Cluster, leftover_namespaces
 
 
 def _why_no_netns() -> str:
@@ -56,7 +56,7 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
 
 @pytest.mark.parametrize("controller", ["mpi", "gloo"])
 def test_horovod_ranks_start_one_per_host(controller):
-    from benchmarks.cluster import gloo, launch
+    from tools.cluster import gloo, launch
 
     script = ("import os, socket, horovod.torch as hvd, torch; hvd.init(); "
               "t = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), op=hvd.Sum); "
@@ -82,7 +82,7 @@ def test_tear_down_after_an_error_and_after_sigterm():
 
     prefix = f"psgdt{os.getpid() % 100000}"  # unique: another test run may hold its own cluster
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from benchmarks.cluster.netns import Cluster\n"
+        "import sys, time; from tools.cluster.netns import Cluster\n"
         f"with Cluster(2, prefix='{prefix}') as c:\n print('UP', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert holder.stdout.readline().strip() == "UP"
