@@ -1,7 +1,7 @@
 """CPU time of chosen threads of this process, to the nanosecond (Linux).
 
 Which threads burn a rank's CPU matters on these machines: Horovod's background loop wakes every
-cycle whether or not an op is waiting (benchmarks/cycle_time.py), so a collective timed alone
+cycle whether or not an op is waiting (docs/transports.md), so a collective timed alone
 is billed for it unless its threads are told apart. ``/proc/self/task/<tid>/stat`` ticks every
 10 ms, as coarse as the collectives; Linux also gives every thread a CPU clock that
 ``clock_gettime`` reads from any thread of the same process: the id glibc's

@@ -132,11 +132,8 @@ class RankBench:
         # A width-2 optimizer reduces the gradient as these buckets (default threshold), one
         # after another on its comm thread: the compressed all-reduces below do the same.
         self.buckets = fusion_buckets(args.layers, args.dim, DEFAULT_FUSION_THRESHOLD)
-        # Horovod's ops: its float32 all-reduce is what Horovod's own optimizer runs. The pipeline's
-        # transfers go through its own channel (the default transport of every pipesgd optimizer
-        # under Horovod), so the compressed all-reduces, their phases and the engine-free loops
-        # are timed on a channel of the same kind: timed on Horovod's alltoall/allgather they
-        # measured another transport than the training rows use.
+        # Horovod's float32 all-reduce is what its own optimizer runs; the compressed all-reduces and
+        # the engine-free loops run on a pipeline channel, the transport the training rows use.
         self.comm = HorovodTorchCommunicator()
         self.channel = PipelineChannel.from_horovod(name="bench.channel")
         self.codecs = {c: resolve_compression(c) for c in CODECS}
@@ -186,16 +183,10 @@ class RankBench:
 
     @staticmethod
     def horovod_name(tag: str) -> str:
-        """A Horovod op's name: the same every time for one role, as a training job's are (Horovod's
-        optimizer names each parameter's all-reduce after it, every step). Why not fresh names:
-        each one takes an entry of Horovod's response cache (up to 1024), and its background loop
-        all-reduces a bit per entry every cycle, op or not. Measured on 2 emulated hosts at
-        142mbit, compute alone, two launches each: after 3000 fresh names that thread took 26-71
-        ms CPU per step and a step 212-242 ms, against 11-27 ms and 170-204 ms with none
-        (HOROVOD_CACHE_CAPACITY=0: 21-31 ms either way). With fresh names for its barriers and
-        timings, the rank's idle background grew over a launch's rounds (21, 30, 48 ms per 0.25 s
-        in one); with names reused, the next full run's launches showed no trend (23-49 ms).
-        Reusing a name is safe: each op is waited for before the next one of that name."""
+        """A Horovod op's name: the same every time for one role, as a training job's are. Fresh names
+        each take an entry of Horovod's response cache, which its background loop works through every
+        cycle: after 3000 of them that thread took 26-71 ms CPU per step against 11-27 ms with none
+        (2 emulated hosts, 142mbit). Reuse is safe: each op is waited for before the next of its name."""
         return f"bench.{tag}"
 
     def progress(self, line: str) -> None:
