@@ -37,10 +37,10 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
         assert sorted(leftover_namespaces(prefix)) == sorted([cluster.switch, cluster.namespace(0), cluster.namespace(1)])
         # 2 MB from host 1 to host 0 at 200 Mbit/s takes >= 80 ms: the link is shaped, not loopback.
         server = subprocess.Popen(cluster.exec(0, [sys.executable, "-c", (
-            "import socket; s = socket.socket(); s.bind(('198.18.0.1', 18600)); s.listen(); c, _ = s.accept(); "
-            "n = 0\nwhile True:\n d = c.recv(1 << 16)\n if not d: break\n n += len(d)\nprint(n)")]),
+            "import socket; s = socket.socket(); s.bind(('198.18.0.1', 18600)); s.listen(); print('READY', flush=True); "
+            "c, _ = s.accept(); n = 0\nwhile True:\n d = c.recv(1 << 16)\n if not d: break\n n += len(d)\nprint(n)")]),
             stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
+        assert server.stdout.readline().strip() == "READY"  # listening: the client may connect
         start = time.perf_counter()
         subprocess.run(cluster.exec(1, [sys.executable, "-c", (
             "import socket; c = socket.create_connection(('198.18.0.1', 18600)); c.sendall(b'x' * 2_000_000); "
@@ -54,6 +54,7 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
     assert leftover_namespaces(prefix) == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("controller", ["mpi", "gloo"])
 def test_horovod_ranks_start_one_per_host(controller):
     from tools.cluster import gloo, launch

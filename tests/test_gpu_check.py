@@ -10,6 +10,7 @@ from launcher import ROOT, rank_env
 SCRIPT = ROOT / "tools" / "gpu_check.py"
 
 
+@pytest.mark.multiprocess
 def test_gpu_check_passes_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_cpu.md"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out)], cwd=ROOT,

@@ -146,14 +146,15 @@ def test_split_rows_run_at_comm_about_compute_and_five_times_compute():
     assert throughput.launch_configs(configs, throughput.Setting(4, "1gbit", 512, "4 hosts")) == configs[:2]
 
 
-def test_a_record_renders_one_row_per_configuration_and_the_targets():
+def test_a_record_renders_one_row_per_configuration_the_targets_and_the_plot(tmp_path):
     two = made_up(configs=("horovod", "w2", "w2-int8", "w2-split-int8"))
     settings = [throughput.Setting(2, "155mbit", 1024, "comm ~5x compute", 5.0)]
     record = {"machine": "test", "elapsed_s": 60.0, "load_before": [0.5, 0, 0], "load_after": [1.0, 0, 0],
               "args": {"controller": "gloo", "layers": 4, "dim": 1000, "rounds": 1, "steps": 2, "horovod_cycle_ms": 20},
               "calibration": None, "settings": [dataclasses.asdict(s) for s in settings],
               "launches": [dataclasses.asdict(two)]}
-    text = render(record, None)
+    text = render(record, tmp_path / "throughput.png")
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| pipesgd width 2 + split_batch + int8 (EF) | 921 | 1.03x | 902 | 98% |  |" in text
     assert "| pipesgd width 2 + int8 (EF) | 491 | 1.94x | 451 | 92% | 491 (1.00) |" in text
     assert "pipesgd width 1 |" not in text and "HOROVOD_CYCLE_TIME=20" in text
