@@ -104,25 +104,29 @@ def render(record: Dict[str, Any], image: Optional[Path]) -> str:
 
 
 def plot(launches: Sequence[Launch], models: Sequence[Model], path: Path) -> None:
-    """Measured speed-up over Horovod per configuration and launch; black marks: the model's."""
+    """Speed-up over Horovod against the measured comm/compute of the 2-host launches, one line per
+    configuration; dashed: the model's prediction."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
-    fig = Figure(figsize=(11, 4.2))
+    two = sorted(((la, m) for la, m in zip(launches, models) if la.hosts == 2), key=lambda p: p[0].comm("none") / p[0].compute)
+    fig = Figure(figsize=(8, 4.5))
     ax = fig.add_subplot()
-    width = 0.8 / len(launches)
-    keys = [k for k in (*TRAINING, AUTO) if any(k in la.configs or (k == AUTO and la.auto) for la in launches)]
-    for i, (la, model) in enumerate(zip(launches, models)):
-        shown = [k for k in keys if k in la.configs or (k == AUTO and la.auto is not None)]
-        xs = [keys.index(k) + i * width for k in shown]
-        ax.bar(xs, [speedup(la, k) for k in shown], width, color=f"C{i}",
-               label=f"{la.hosts} hosts, {la.rate} (comm/compute {la.comm('none') / la.compute:.2f})")
-        predicted = [model.step[la.auto_choice() if k == AUTO else k] for k in shown]
-        ax.scatter(xs, [model.step["horovod"] / p for p in predicted], marker="_", s=120, color="black",
-                   zorder=3, label="model" if i == 0 else None)
+    keys = [k for k in (*TRAINING, AUTO) if k != "horovod" and any(k in la.configs or (k == AUTO and la.auto)
+                                                                    for la, _ in two)]
+    for i, key in enumerate(keys):
+        shown = [(la, m) for la, m in two if key in la.configs or (key == AUTO and la.auto is not None)]
+        xs = [la.comm("none") / la.compute for la, _ in shown]
+        ax.plot(xs, [speedup(la, key) for la, _ in shown], marker="o", color=f"C{i % 10}", label=LABELS[key])
+        predicted = [m.step["horovod"] / m.step[la.auto_choice() if key == AUTO else key] for la, m in shown]
+        ax.plot(xs, predicted, linestyle="--", linewidth=0.8, color=f"C{i % 10}")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
-    ax.set_xticklabels(keys, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("speed-up over Horovod sync")
+    ax.set_xscale("log")
+    ticks = [la.comm("none") / la.compute for la, _ in two]  # the launches' own, not powers of ten
+    ax.set_xticks(ticks, [f"{t:.2g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set(xlabel="comm/compute (float32 all-reduce alone / compute alone)",
+           ylabel="speed-up over Horovod (sync)", title="measured (dashed: timing model)")
+    ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
