@@ -207,7 +207,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"OMP_NUM_THREADS={threads}), PyTorch CPU tensors, load average {load_before[0]:.1f} before the run, "
             f"{os.getloadavg()[0]:.1f} after; medians of {args.repeats}. x copies: encode + decode over a plain "
             "copy of the same float32 tensor into an existing one timed beside it (in brackets: encode + decode); "
-            "GB/s: float32 bytes in over encode + decode.\n\n" + codec_table(by_mode))
+            "GB/s: float32 bytes in over encode + decode. `fused`: the kernels of "
+            "`pipesgd_hvd/compression/_kernels.c`; `reference`: the unfused tensor-op composition (same bytes). "
+            "*Freed memory kept*: a process where freed memory stays mapped, so new outputs are not page-faulted "
+            "afresh: the kernels' own speed.\n\n" + codec_table(by_mode))
     print(text)
     if not args.no_write:
         write_section("codec_speed", text)
