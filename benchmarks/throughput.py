@@ -36,7 +36,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from .throughput_analysis import Launch
 from .throughput_plan import AIMS, FIRST_RATE, fit_comm, off_aim, plan_rate, rate_bps, second_rate, select_configs
-from .throughput_worker import AUTO, MARKER, TRAINING, machine_busy
+from .thread_cpu import machine_busy
+from .throughput_worker import AUTO, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The aims whose launches also run the split_batch rows (comm ~ compute and ~5x compute).

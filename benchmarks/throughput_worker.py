@@ -24,17 +24,14 @@ import concurrent.futures
 import contextlib
 import json
 import math
-import os
-import resource
 import statistics
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
-from .thread_cpu import ThreadGroupClock, native_thread_ids
+from .thread_cpu import ThreadClock, ThreadGroupClock, machine_busy, native_thread_ids
 
 if TYPE_CHECKING:
     from .offloaded_compute import OffloadedCompute
@@ -73,31 +70,6 @@ def segments_for(configs: Sequence[str], quick: bool = False) -> Tuple[str, ...]
     loops = () if quick else tuple(f"loop-{k[3:] or 'none'}" for k in configs
                                    if k.startswith("w2") and not k.startswith("w2-split"))
     return tuple(k for k in SEGMENTS if k == "compute" or k in configs or k in loops)
-
-
-class ThreadClock:
-    """CPU seconds of this process's main thread and of all its other threads (Horovod's
-    background thread, Gloo's, the pipeline's comm thread): where a step's CPU goes. The main
-    thread's from ``time.thread_time()``, the whole process's from ``getrusage`` (threads that
-    ended included), both to the microsecond: /proc's per-thread counters tick every 10 ms, as
-    coarse as the collectives timed here. Read it from the main thread only."""
-
-    def read(self) -> Tuple[float, float]:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("ThreadClock.read() runs on the main thread: it reads that thread's own clock")
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        main = time.thread_time()
-        return main, usage.ru_utime + usage.ru_stime - main
-
-
-def machine_busy() -> Tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far (/proc/stat): with our own CPU time
-    it tells how much of the two cores other jobs took during the run."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = v[3] + v[4]
-    return (sum(v) - idle) / tick, sum(v) / tick
 
 
 class RankBench:
@@ -293,11 +265,9 @@ class RankBench:
     # --------------------------------------------------------------------------- collectives
     def compressed(self, codec: str, name: str) -> None:
         """Our compressed all-reduce of the gradient as the engine runs it: bucket by bucket of the
-        fusion plan, each one's phases before the next one's, each bucket in a buffer with the
-        room the engine gives it (no padding copy). Timed as one call on the whole gradient it
-        missed what the buckets change: a fixed cost per bucket, and on the shaped links each
-        transfer's burst (at 130mbit the pipelined fp16 step was 546 ms against 647 ms for the
-        one-call all-reduce)."""
+        fusion plan, each in a buffer with the room the engine gives it. One call on the whole
+        gradient missed a fixed cost per bucket and each transfer's burst on the shaped links (at
+        130mbit the pipelined fp16 step was 546 ms against 647 ms for the one-call all-reduce)."""
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
         from pipesgd_hvd.ops.torch import TORCH_OPS
 
