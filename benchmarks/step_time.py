@@ -40,10 +40,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a file: the repository's packages
-
-from benchmarks.report import table  # noqa: E402
-
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
 VALID = ("horovod", "w1", "w2", *(f"w2-{c}" for c in CODECS), "w2-split", *(f"w2-split-{c}" for c in CODECS),
          "auto")
@@ -206,6 +202,8 @@ def ms(seconds: float) -> str:
 
 
 def render(result: Dict[str, Any]) -> str:
+    from benchmarks.report import table
+
     args = result["args"]
     head = (f"{result['machine']}; {result['ranks']} ranks, {args['layers']} x Linear({args['dim']}, {args['dim']}) "
             f"({result['grad_bytes'] / 1e6:.2f} MB of float32 gradient), batch {args['batch']} per rank, "
@@ -224,6 +222,8 @@ def render(result: Dict[str, Any]) -> str:
 
 def compare(before: Dict[str, Any], after: Dict[str, Any]) -> str:
     """After over before, per configuration both ran: step and host time (e.g. two commits)."""
+    from benchmarks.report import table
+
     old = {r["config"]: r for r in before["rows"]}
     rows = [[r["config"], ms(old[r["config"]]["step_s"]), ms(r["step_s"]), f"{r['step_s'] / old[r['config']]['step_s']:.3f}",
              ms(old[r["config"]]["host_s"]), ms(r["host_s"]),
@@ -277,4 +277,5 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run as a file: the repository's packages
     main()
