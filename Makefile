@@ -19,17 +19,15 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
-# The speed-up on an emulated cluster (network namespaces, shaped links; needs root): writes the
-# "throughput" section of docs/benchmarks.md and docs/img/throughput.png. Link rates come from a
-# calibration run first (comm/compute 0.25, 1, 2.5, 5); subsets and fixed rates: --aims, --configs,
-# --settings (python -m benchmarks.throughput --help). Every rank runs with HOROVOD_CYCLE_TIME=20 (README,
-# "cycle"); --horovod-cycle-ms 0 for Horovod's default. Then the 2-host launches again with compute off
-# the cores (--offload-compute: forward and backward passes as waits of their measured times, as an
-# accelerator's step looks from the host), the "throughput-offloaded" section: on this CPU machine compute
-# holds the core the pipeline's threads need; there it holds none.
+# The speed-up on an emulated cluster (network namespaces, shaped links; needs root): tables in the
+# "throughput" section of docs/benchmarks.md and docs/img/throughput.png, samples in build/throughput.json.
+# Link rates come from a calibration run first (comm/compute 0.25, 1, 2.5, 5); subsets and fixed rates:
+# python -m benchmarks.throughput --help. Then the 2-host launches again with compute off the cores
+# (--offload-compute: forward and backward passes as waits of their measured times, as an accelerator's
+# step looks from the host): the "throughput-offloaded" section. docs/benchmarks.md says how to read both.
 bench: install
 	$(PY) -m benchmarks.throughput
-	$(PY) -m benchmarks.throughput --offload-compute --four-hosts '' --controller-check ''
+	$(PY) -m benchmarks.throughput --offload-compute --four-hosts ''
 
 # The accuracy study (issues 8, 18): writes docs/accuracy.md and docs/img/accuracy.png; 4 SGD tasks and a
 # language model (AdamW), every staleness correction; 38 min on 2 cores (2285 s, 2026-12-04).

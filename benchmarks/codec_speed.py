@@ -1,7 +1,6 @@
 """Codec speed on one core: encode+decode of each byte codec, the fused kernels next to the unfused
 tensor-op reference, each against a plain copy of the same tensor timed right beside it (the
-memory limit); then where a rank's CPU goes in one compressed all-reduce. Writes the
-"codec_speed" section of docs/benchmarks.md.
+memory limit). Writes the "codec_speed" section of docs/benchmarks.md.
 
     OMP_NUM_THREADS=1 python -m benchmarks.codec_speed [--repeats 7] [--mib 16 64] [--no-write]
 
@@ -22,7 +21,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.allreduce_cpu import path_label, profile
 from benchmarks.throughput import wait_for_quiet
 from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
 from pipesgd_hvd.ops.torch import TorchOps
@@ -35,7 +33,6 @@ CODECS: Dict[str, Callable[[], Codec]] = {
     "int4+EF": lambda: ErrorFeedback(Quantize(4)),
 }
 PATHS = {"fused": TorchOps(), "reference": TorchOps(fused=False)}
-ALLREDUCE_CODECS = {"int8": "int8+EF", "int4": "int4+EF", "fp16": "fp16"}  # resolve_compression names
 # glibc maps every allocation above its mmap threshold (dynamic, 32 MiB at most) afresh and gives
 # freed heap tops back to the OS: each new large tensor is then page-faulted again.
 MALLOC_MODES = {
@@ -176,24 +173,6 @@ def worker(args: argparse.Namespace) -> None:
     print(MARKER + json.dumps(raw), flush=True)
 
 
-def allreduce_rows(numel: int, ranks: List[int], repeats: int, max_wait: float) -> List[List[str]]:
-    rows = []
-    for name, label in ALLREDUCE_CODECS.items():
-        for size in ranks:
-            for fused, room in ((True, False), (True, True), (False, False)):
-                quiet(max_wait)
-                spent = profile(name, size, numel, repeats, fused=fused, room=room, progress=log)
-                copy = spent["copy"]
-                codec = sum(v for k, v in spent.items() if k.startswith("codec."))
-                table_ops = sum(v for k, v in spent.items() if k.startswith("ops."))
-                rows.append([label, str(size), path_label(fused, room), f"{spent['total'] * 1e3:.1f}",
-                             f"{spent['total'] / copy:.1f}",
-                             f"{codec * 1e3:.1f}", f"{spent.get('collectives', 0.0) * 1e3:.1f}",
-                             f"{table_ops * 1e3:.1f}", f"{spent['rest'] * 1e3:.1f}",
-                             f"{spent['total'] / codec:.2f}"])
-    return rows
-
-
 def quiet(max_wait: float) -> None:
     """Waits (up to ``max_wait`` s) for other jobs to leave a core idle, and says how it went."""
     waited, busy = wait_for_quiet(max_wait)
@@ -201,13 +180,11 @@ def quiet(max_wait: float) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    from benchmarks.report import machine_line, table, write_section
+    from benchmarks.report import machine_line, write_section
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--mib", type=int, nargs="+", default=[16, 64], help="tensor sizes in MiB")
-    parser.add_argument("--allreduce-mb", type=float, default=16.8, help="bucket of the all-reduce profile (MB)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-quiet-wait", type=float, default=60.0,
                         help="seconds to wait for an idle core before each measurement")
     parser.add_argument("--tensorflow", action="store_true",
@@ -226,42 +203,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     load_before = os.getloadavg()
     by_mode = {mode: run_worker(args, env) for mode, env in MALLOC_MODES.items()}
-    numel = int(args.allreduce_mb * 1e6) // 4
-    breakdown = allreduce_rows(numel, args.ranks, args.repeats, args.max_quiet_wait)
-    load = f"load average {load_before[0]:.1f} before the run, {os.getloadavg()[0]:.1f} after"
-    text = (
-        f"## Codec speed (`benchmarks/codec_speed.py`)\n\n{machine_line()}, one core (torch threads 1, "
-        f"OMP_NUM_THREADS={threads}), PyTorch CPU tensors, {load}; medians of {args.repeats}. Each encode and "
-        "decode is timed right after a plain copy of the same float32 tensor into an existing one "
-        "(`dst.copy_(x)`, the memory limit); \"x copies\" is the ratio of the medians, encode + decode. "
-        "`fused` runs the kernels of `pipesgd_hvd/compression/_kernels.c`, `reference` the unfused "
-        "tensor-op composition (a table built with `fused=False`); both give the same bytes "
-        "(tests/test_codec_kernels.py). `+EF`: with error feedback, after a first step (a residual "
-        "is held). GB/s: float32 bytes in, over encode + decode. Every encode and decode returns new "
-        "tensors; with glibc's default settings a large one is often mapped afresh and page-faulted "
-        "(the last row prices that for a plain copy), so the codecs also ran in a process where freed "
-        "memory stays mapped (`MALLOC_MMAP_THRESHOLD_=2^30 MALLOC_TRIM_THRESHOLD_=2^31`): that column "
-        "is the kernels' own speed."
-        + (" `TensorFlow (tf.function)`: the same codecs traced by TensorFlow (one thread), through the "
-           "same kernels inside `tf.numpy_function` (`pipesgd_hvd/compression/tf_kernels.py`); "
-           "`TensorFlow reference (tf.function)`: its unfused tensor-op composition (`fused=False`). "
-           "Each TensorFlow call is timed to its return (eager TensorFlow returns computed outputs), "
-           "without `.numpy()`, which copies. What TensorFlow adds over PyTorch's fused row: the "
-           "`tf.numpy_function` call, and with error feedback the new residual assigned to its variable."
-           if args.tensorflow else "") + "\n\n"
-        + codec_table(by_mode)
-        + f"\n\n### CPU of one compressed all-reduce\n\n`benchmarks/allreduce_cpu.py`: `compressed_allreduce` "
-        f"of a {numel * 4 / 1e6:.1f} MB float32 bucket ({numel} values, so rows are padded) on the "
-        "in-process LocalWorld, ranks as threads; CPU time of rank 0 (its thread's clock, so waiting "
-        "for the peer is free), median of the same runs, in ms. `codec`: encode (with error feedback), "
-        "decode+sum, re-encode, decode. `collectives`: LocalWorld's alltoall and allgather (their "
-        "concatenations). `table ops`: the table calls `compressed_allreduce` makes itself (the "
-        "padding `concat` of a bare bucket; `fused, engine's buffer`: the bucket sits in a buffer with "
-        "the room its rows take, zero past it, as the engine's fusion buffers do, and is encoded where "
-        "it lies). `rest`: everything else in the call (slices, the scale multiply where the "
-        "codec does not fuse it). \"x copies\": the total over a plain copy of the bucket.\n\n"
-        + table(["codec", "ranks", "path", "total", "x copies", "codec", "collectives", "table ops", "rest",
-                 "total / codec"], breakdown))
+    text = (f"## Codec speed (`benchmarks/codec_speed.py`)\n\n{machine_line()}, one core (torch threads 1, "
+            f"OMP_NUM_THREADS={threads}), PyTorch CPU tensors, load average {load_before[0]:.1f} before the run, "
+            f"{os.getloadavg()[0]:.1f} after; medians of {args.repeats}. x copies: encode + decode over a plain "
+            "copy of the same float32 tensor into an existing one timed beside it (in brackets: encode + decode); "
+            "GB/s: float32 bytes in over encode + decode. `fused`: the kernels of "
+            "`pipesgd_hvd/compression/_kernels.c`; `reference`: the unfused tensor-op composition (same bytes). "
+            "*Freed memory kept*: a process where freed memory stays mapped, so new outputs are not page-faulted "
+            "afresh: the kernels' own speed.\n\n" + codec_table(by_mode))
     print(text)
     if not args.no_write:
         write_section("codec_speed", text)

@@ -69,13 +69,14 @@ class OffloadedCompute:
         self.grads: List[List[torch.Tensor]] = [
             [torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in layer.parameters()] for layer in layers]
 
-    def loss(self, layers: Sequence[torch.nn.Module]) -> torch.Tensor:
+    def loss(self, layers: Sequence[torch.nn.Module], share: float = 1.0) -> torch.Tensor:
         """The step's "loss": waits the forward time, then builds the chain whose backward waits
-        a slice per layer and gives each layer its gradients, the last layer's first."""
+        a slice per layer and gives each layer its gradients, the last layer's first. ``share``:
+        the part of the batch this call computes (split_batch: half), of the measured times."""
         if len(layers) != len(self.grads):
             raise ValueError(f"built for {len(self.grads)} layers, given {len(layers)}")
-        time.sleep(self.forward_s)
-        share = self.backward_s / len(layers)
+        time.sleep(self.forward_s * share)
+        share = self.backward_s * share / len(layers)
         total: Any = None
         for layer, grads in zip(layers, self.grads):
             term = _LayerGradients.apply(grads, *layer.parameters())

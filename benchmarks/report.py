@@ -1,7 +1,7 @@
 """Writes one benchmark's section of docs/benchmarks.md, leaving the other sections alone.
 
 Each benchmark owns the text between ``<!-- BEGIN key -->`` and ``<!-- END key -->``; a new key
-is appended at the end. Figures in the file come only from these scripts' runs.
+is appended at the end. Figures in those sections come only from these scripts' runs.
 """
 from __future__ import annotations
 
@@ -31,15 +31,6 @@ def write_section(key: str, markdown: str, doc: Path = DOC) -> None:
     pattern = re.compile(rf"<!-- BEGIN {re.escape(key)} -->.*?<!-- END {re.escape(key)} -->", re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     doc.write_text(text)
-
-
-def progress(done: int, total: int, started: float) -> str:
-    """``"<s> s in, ~<s> s left"`` after ``done`` of ``total`` equal parts begun at ``started``
-    (``time.perf_counter()``)."""
-    import time
-
-    elapsed = time.perf_counter() - started
-    return f"{elapsed:.0f} s in, ~{elapsed / done * (total - done):.0f} s left"
 
 
 def table(header: list, rows: list) -> str:

@@ -1,7 +1,7 @@
-"""CPU time of chosen threads of this process, to the nanosecond (Linux).
+"""CPU clocks of this process's threads and of the machine (Linux), for the throughput worker.
 
 Which threads burn a rank's CPU matters on these machines: Horovod's background loop wakes every
-cycle whether or not an op is waiting (benchmarks/cycle_time.py), so a collective timed alone
+cycle whether or not an op is waiting (docs/transports.md), so a collective timed alone
 is billed for it unless its threads are told apart. ``/proc/self/task/<tid>/stat`` ticks every
 10 ms, as coarse as the collectives; Linux also gives every thread a CPU clock that
 ``clock_gettime`` reads from any thread of the same process: the id glibc's
@@ -11,8 +11,10 @@ CPUCLOCK_SCHED clock).
 from __future__ import annotations
 
 import os
+import resource
+import threading
 import time
-from typing import Dict, FrozenSet, Iterable
+from typing import Dict, FrozenSet, Iterable, Tuple
 
 
 def native_thread_ids() -> FrozenSet[int]:
@@ -42,3 +44,28 @@ class ThreadGroupClock:
             except OSError:
                 pass  # ended: its last reading stands
         return sum(self._last.values())
+
+
+class ThreadClock:
+    """CPU seconds of this process's main thread and of all its other threads (Horovod's
+    background thread, Gloo's, the pipeline's comm thread): where a step's CPU goes. The main
+    thread's from ``time.thread_time()``, the whole process's from ``getrusage`` (threads that
+    ended included), both to the microsecond: /proc's per-thread counters tick every 10 ms, as
+    coarse as the collectives timed here. Read it from the main thread only."""
+
+    def read(self) -> Tuple[float, float]:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("ThreadClock.read() runs on the main thread: it reads that thread's own clock")
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        main = time.thread_time()
+        return main, usage.ru_utime + usage.ru_stime - main
+
+
+def machine_busy() -> Tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (/proc/stat): with our own CPU time
+    it tells how much of the two cores other jobs took during the run."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = v[3] + v[4]
+    return (sum(v) - idle) / tick, sum(v) / tick

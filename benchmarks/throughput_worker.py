@@ -1,22 +1,21 @@
 """One rank of the throughput benchmark (``benchmarks/throughput.py`` starts it on every host).
 
-Everything that is compared is measured in this one launch, interleaved in rounds, so that the
-load of the shared machine hits all configurations alike. Per round:
+Everything compared is measured in this one launch, interleaved in rounds, so that the load of
+the shared machine hits all configurations alike. Per round:
 
 * training segments, one per configuration (compute only, Horovod's ``DistributedOptimizer``,
-  pipesgd width 1 / 2 / 2 + codec): one untimed step (refills a flushed pipeline), ``steps``
-  timed steps, ``flush()``; each rank's CPU time per thread is read around the segment;
-* the collectives alone: Horovod's float32 all-reduce of the gradient and of a quarter of it, a
-  small one (latency); on a pipeline channel (the transport pipesgd's optimizers use under
-  Horovod) allgather and alltoall of int8-sized uint8 rows and our compressed all-reduce per
-  codec; with the CPU time each costs the rank (all its threads): on a core shared with compute,
-  that is time compute loses when the collective runs beside it;
+  pipesgd width 1 / 2 / 2 + codec / 2 + split_batch + codec), and the engine-free width-2 loops:
+  one untimed update (refills a flushed pipeline), ``steps`` timed updates, ``flush()``; each
+  rank's CPU per thread is read around the segment. A split_batch update is two calls of half the
+  batch (ACCO's unit: the samples of one update of the others);
+* the collectives alone, with the CPU each costs the rank: Horovod's float32 all-reduce of the
+  gradient, of a quarter of it and a small one (the link fit), our compressed all-reduce per codec
+  on a pipeline channel (the transport pipesgd uses under Horovod), an idle 0.25 s;
 * a float32 add of the gradient (the reduction cost gamma).
 
-With ``--offload-compute``, every step's forward and backward passes are waits of their measured
-times (``benchmarks/offloaded_compute.py``): compute as an accelerator's step looks from the host.
-
-Rank 0 prints one JSON line (``MARKER``) holding every rank's samples; the driver analyses it.
+With ``--offload-compute`` the forward and backward passes are waits of their measured times
+(``benchmarks/offloaded_compute.py``). Rank 0 prints one JSON line (``MARKER``) with every
+rank's samples.
 """
 from __future__ import annotations
 
@@ -25,17 +24,14 @@ import concurrent.futures
 import contextlib
 import json
 import math
-import os
-import resource
 import statistics
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
-from .thread_cpu import ThreadGroupClock, native_thread_ids
+from .thread_cpu import ThreadClock, ThreadGroupClock, machine_busy, native_thread_ids
 
 if TYPE_CHECKING:
     from .offloaded_compute import OffloadedCompute
@@ -44,7 +40,8 @@ MARKER = "THROUGHPUT_RESULT "
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
 # "w1-layer": width 1 with buckets capped at one layer, as Horovod's per-tensor reductions: the
 # control for the default fusion plan (buckets that close early, pipesgd_hvd/pipeline/fusion.py).
-TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS))
+# "w2-split-<codec>": staleness_correction="split_batch" (its all-reduce runs twice per update).
+TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS), "w2-split-int8", "w2-split-int4")
 # "loop-<codec>": the pipelined schedule without the engine: compute step t, start its all-reduce,
 # wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
 # machine allows a width-2 pipeline; the engine's own overhead is the difference.
@@ -68,35 +65,11 @@ def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
 
 def segments_for(configs: Sequence[str], quick: bool = False) -> Tuple[str, ...]:
     """The segments of a launch that runs ``configs`` (TRAINING keys and ``auto``): compute alone
-    always, and each width-2 row's engine-free loop unless ``quick`` (the controller comparison
-    and the calibration: compute and the float32 all-reduce, little else)."""
-    loops = () if quick else tuple(f"loop-{k[3:] or 'none'}" for k in configs if k.startswith("w2"))
+    always, and each plain width-2 row's engine-free loop unless ``quick`` (the calibration:
+    compute and the float32 all-reduce, little else)."""
+    loops = () if quick else tuple(f"loop-{k[3:] or 'none'}" for k in configs
+                                   if k.startswith("w2") and not k.startswith("w2-split"))
     return tuple(k for k in SEGMENTS if k == "compute" or k in configs or k in loops)
-
-
-class ThreadClock:
-    """CPU seconds of this process's main thread and of all its other threads (Horovod's
-    background thread, Gloo's, the pipeline's comm thread): where a step's CPU goes. The main
-    thread's from ``time.thread_time()``, the whole process's from ``getrusage`` (threads that
-    ended included), both to the microsecond: /proc's per-thread counters tick every 10 ms, as
-    coarse as the collectives timed here. Read it from the main thread only."""
-
-    def read(self) -> Tuple[float, float]:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("ThreadClock.read() runs on the main thread: it reads that thread's own clock")
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        main = time.thread_time()
-        return main, usage.ru_utime + usage.ru_stime - main
-
-
-def machine_busy() -> Tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far (/proc/stat): with our own CPU time
-    it tells how much of the two cores other jobs took during the run."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = v[3] + v[4]
-    return (sum(v) - idle) / tick, sum(v) / tick
 
 
 class RankBench:
@@ -123,7 +96,7 @@ class RankBench:
         self.segments = segments_for(args.configs.split(",") if args.configs else (), args.quick)
         self.configs = tuple(k for k in TRAINING if k in self.segments)
         # the compressed all-reduces timed alone: those of the codecs this launch trains with
-        self.timed_codecs = tuple(k[3:] for k in self.configs if k.startswith("w2-"))
+        self.timed_codecs = tuple(dict.fromkeys(k.rsplit("-", 1)[1] for k in self.configs if k.startswith("w2-")))
         self.runs = {key: self._make(key) for key in ("compute", *TRAINING, AUTO)
                      if key in self.segments or key == "compute"}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
@@ -131,11 +104,8 @@ class RankBench:
         # A width-2 optimizer reduces the gradient as these buckets (default threshold), one
         # after another on its comm thread: the compressed all-reduces below do the same.
         self.buckets = fusion_buckets(args.layers, args.dim, DEFAULT_FUSION_THRESHOLD)
-        # Horovod's ops: its float32 all-reduce is what Horovod's own optimizer runs. The pipeline's
-        # transfers go through its own channel (the default transport of every pipesgd optimizer
-        # under Horovod), so the compressed all-reduces, their phases and the engine-free loops
-        # are timed on a channel of the same kind: timed on Horovod's alltoall/allgather they
-        # measured another transport than the training rows use.
+        # Horovod's float32 all-reduce is what its own optimizer runs; the compressed all-reduces and
+        # the engine-free loops run on a pipeline channel, the transport the training rows use.
         self.comm = HorovodTorchCommunicator()
         self.channel = PipelineChannel.from_horovod(name="bench.channel")
         self.codecs = {c: resolve_compression(c) for c in CODECS}
@@ -165,7 +135,9 @@ class RankBench:
                                                     compression="auto", auto_measure_steps=args.auto_measure_steps,
                                                     auto_recheck_every=0)
         width, _, codec = key[1:].partition("-")
-        extra = {}
+        extra: Dict[str, Any] = {}
+        if codec.startswith("split-"):
+            extra["staleness_correction"], codec = "split_batch", codec[len("split-"):]
         if codec == "layer":
             extra["fusion_threshold_mb"] = (args.dim * args.dim + args.dim) * 4 / 2**20
         codec = "none" if codec in ("", "layer") else codec
@@ -183,16 +155,10 @@ class RankBench:
 
     @staticmethod
     def horovod_name(tag: str) -> str:
-        """A Horovod op's name: the same every time for one role, as a training job's are (Horovod's
-        optimizer names each parameter's all-reduce after it, every step). Why not fresh names:
-        each one takes an entry of Horovod's response cache (up to 1024), and its background loop
-        all-reduces a bit per entry every cycle, op or not. Measured on 2 emulated hosts at
-        142mbit, compute alone, two launches each: after 3000 fresh names that thread took 26-71
-        ms CPU per step and a step 212-242 ms, against 11-27 ms and 170-204 ms with none
-        (HOROVOD_CACHE_CAPACITY=0: 21-31 ms either way). With fresh names for its barriers and
-        timings, the rank's idle background grew over a launch's rounds (21, 30, 48 ms per 0.25 s
-        in one); with names reused, the next full run's launches showed no trend (23-49 ms).
-        Reusing a name is safe: each op is waited for before the next one of that name."""
+        """A Horovod op's name: the same every time for one role, as a training job's are. Fresh names
+        each take an entry of Horovod's response cache, which its background loop works through every
+        cycle: after 3000 of them that thread took 26-71 ms CPU per step against 11-27 ms with none
+        (2 emulated hosts, 142mbit). Reuse is safe: each op is waited for before the next of its name."""
         return f"bench.{tag}"
 
     def progress(self, line: str) -> None:
@@ -245,14 +211,20 @@ class RankBench:
         self.record("device-backward", times[1])
         return OffloadedCompute(list(model), forward_s=times[0], backward_s=times[1])
 
-    def step(self, model: Any, opt: Any, split: bool = False) -> None:
-        opt.zero_grad()
-        t0 = time.perf_counter()
-        loss = self.offloaded.loss(list(model)) if self.offloaded is not None else model(self.x).square().mean()
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
+    def step(self, model: Any, opt: Any, split: bool = False, calls: int = 1) -> None:
+        """One update: one call on the batch, or ``calls`` calls on as many parts of it (split_batch);
+        ``split`` records the forward, backward and update times of a one-call update."""
+        for x in self.x.chunk(calls):
+            opt.zero_grad()
+            t0 = time.perf_counter()
+            if self.offloaded is not None:
+                loss = self.offloaded.loss(list(model), share=1 / calls)
+            else:
+                loss = model(x).square().mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
         if split:
             self.record("forward", t1 - t0)
             self.record("backward", t2 - t1)
@@ -263,10 +235,11 @@ class RankBench:
         if key.startswith("loop-"):
             return self.loop(key, key[len("loop-"):])
         model, opt = self.runs[key]
-        self.step(model, opt)  # untimed: refills the pipeline flushed at the end of the last segment
+        calls = 2 if key.startswith("w2-split-") else 1
+        self.step(model, opt, calls=calls)  # untimed: refills the pipeline flushed at the last segment's end
         with self.billed(key):
             for _ in range(self.args.steps):
-                self.record(key, self.timed(lambda: self.step(model, opt, split=key == "compute")))
+                self.record(key, self.timed(lambda: self.step(model, opt, split=key == "compute", calls=calls)))
         if hasattr(opt, "flush"):
             opt.flush()  # nothing of this configuration stays on the wire during the next one
         self.barrier()
@@ -292,11 +265,9 @@ class RankBench:
     # --------------------------------------------------------------------------- collectives
     def compressed(self, codec: str, name: str) -> None:
         """Our compressed all-reduce of the gradient as the engine runs it: bucket by bucket of the
-        fusion plan, each one's phases before the next one's, each bucket in a buffer with the
-        room the engine gives it (no padding copy). Timed as one call on the whole gradient it
-        missed what the buckets change: a fixed cost per bucket, and on the shaped links each
-        transfer's burst (at 130mbit the pipelined fp16 step was 546 ms against 647 ms for the
-        one-call all-reduce)."""
+        fusion plan, each in a buffer with the room the engine gives it. One call on the whole
+        gradient missed a fixed cost per bucket and each transfer's burst on the shaped links (at
+        130mbit the pipelined fp16 step was 546 ms against 647 ms for the one-call all-reduce)."""
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
         from pipesgd_hvd.ops.torch import TORCH_OPS
 
@@ -332,13 +303,11 @@ class RankBench:
     def collectives(self) -> Dict[str, Callable[[], Any]]:
         """The collectives timed alone: float32 all-reduces of three sizes (through the
         communicator, which waits as the engine does: a sleeping poll, where Horovod's own
-        synchronize() spins and would bill its spin as communication CPU), the int8 chunks'
-        alltoall and allgather, and our compressed all-reduce per codec (bucket by bucket, as the
-        engine runs it)."""
+        synchronize() spins and would bill its spin as communication CPU) and our compressed
+        all-reduce per codec (bucket by bucket, as the engine runs it)."""
         from pipesgd_hvd.comm.base import ReduceOp
 
-        comm, uid, n = self.comm, self.uid, self.hvd.size()
-        rows = self.torch.zeros(n, self.row_bytes, dtype=self.torch.uint8)
+        comm, uid = self.comm, self.uid
 
         def float32(values: Any, tag: str) -> Callable[[], Any]:
             # in place on a buffer of its own: repeated averaging changes the values, not the time
@@ -353,14 +322,7 @@ class RankBench:
                 # nothing: what the rank's threads burn with nothing to do (Horovod's background
                 # loop wakes every cycle); the model leaves it out of a collective's CPU
                 "idle": lambda: time.sleep(IDLE_S),
-                "ag-int8": lambda: self.channel.allgather_async(rows[:1], uid("ag")).wait(),
-                "a2a-int8": lambda: self.channel.alltoall_async(rows, uid("a2a")).wait(),
                 **{f"comm-{c}": compressed(c) for c in self.timed_codecs}}
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one rank's int8 chunk (codes and a float32 scale per 512 values)."""
-        return self.codecs["int8"].padded_cols(-(-self.numel // self.hvd.size())) * 516 // 512
 
     def alone(self, key: str, fn: Callable[[], Any]) -> None:
         """A collective alone: its time, and the CPU it costs this rank (all threads), which it
@@ -369,26 +331,6 @@ class RankBench:
         self.record(key, self.timed(fn))
         self.record(f"cpu/{key}", sum(self.clock.read()) - cpu0)
         self.record(f"cpu-hvd/{key}", self.horovod_clock.read() - hvd0)
-
-    def codec_round_trips(self) -> None:
-        """Each codec's cost on one rank, no communication: encode + decode of the gradient, after
-        one untimed round trip (the first one's fresh outputs fault their pages in: it took 20-300 ms
-        where the next ones took 5-13)."""
-        from pipesgd_hvd.compression import resolve_compression
-        from pipesgd_hvd.compression.allreduce import padded_numel
-        from pipesgd_hvd.ops.torch import TORCH_OPS
-
-        for c in self.timed_codecs:
-            codec = resolve_compression(c)
-            rows = self.torch.zeros(padded_numel(codec, self.numel, self.hvd.size())).view(self.hvd.size(), -1)
-            rows.view(-1)[: self.numel] = self.flat
-
-            def round_trip() -> None:
-                codec.decode(TORCH_OPS, *codec.encode(TORCH_OPS, rows, key="k", seed=0))
-
-            round_trip()
-            for _ in range(max(3, self.args.comm_reps)):
-                self.record(f"codec-{c}", self.timed(round_trip))
 
     def decide_auto(self) -> Dict[str, Any]:
         """Runs the auto optimizer until it has decided (untimed); returns what it measured and chose."""
@@ -411,7 +353,6 @@ class RankBench:
         collectives = self.collectives()
         if args.quick:
             collectives = {"comm-none": collectives["comm-none"]}
-        tcp = TcpPair(hvd, enabled=not args.quick)
         summand, acc = self.torch.randn(self.numel), self.torch.zeros(self.numel)
         launched = time.perf_counter()
         auto = self.decide_auto() if AUTO in segments else None
@@ -426,7 +367,6 @@ class RankBench:
             for _ in range(args.comm_reps):
                 for key, fn in collectives.items():
                     self.alone(key, fn)
-                tcp.exchange(self.row_bytes, self.record)
                 self.record("add", self.timed(lambda: acc.add_(summand)))  # gamma: one float32 add
             self.barrier()
             elapsed = time.perf_counter() - launched
@@ -434,12 +374,6 @@ class RankBench:
                           f"{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s")
         busy1, our1 = machine_busy(), sum(self.clock.read())
         self.pool.shutdown()
-        tcp.close()
-        profile: List[Tuple[str, float, int]] = []
-        if not args.quick:
-            self.codec_round_trips()
-        if not args.quick and "int8" in self.timed_codecs:
-            profile = profile_int8(hvd, lambda: self.compressed("int8", self.uid("int8")))
         self.channel.close()
         mine = {"samples": self.samples, "our_cpu_s": our1 - our0, "machine_busy_s": busy1[0] - busy0[0],
                 "machine_total_s": busy1[1] - busy0[1]}
@@ -448,79 +382,10 @@ class RankBench:
             wire = {key: self.runs[key][1].stats.ratio for key in (*TRAINING, AUTO)
                     if key != "horovod" and key in self.runs}
             result = {"ranks": hvd.size(), "grad_bytes": self.numel * 4, "layers": args.layers, "configs": self.configs,
-                      "row_bytes": self.row_bytes, "per_rank": everyone, "wire_ratio": wire, "int8_profile": profile,
+                      "per_rank": everyone, "wire_ratio": wire,
                       "auto": auto, "offloaded": self.offloaded is not None}
             sys.stdout.write(MARKER + json.dumps(result) + "\n")
             sys.stdout.flush()
-
-
-class TcpPair:
-    """A plain TCP connection between ranks 0 and 1 over the same link: the control for
-    Horovod's collectives. Both send ``nbytes`` at once, as an alltoall of two ranks does."""
-
-    PORT = 18800
-
-    def __init__(self, hvd: Any, enabled: bool = True) -> None:
-        import socket
-
-        import torch
-
-        self.hvd, self.zero = hvd, torch.zeros(1)
-        self.sock: Any = None
-        self.enabled = enabled
-        if not enabled:
-            return
-        # Our cluster gives each host a UTS namespace whose host name is its address.
-        host0 = hvd.allgather_object(socket.gethostname(), name="bench.tcp.hosts")[0]
-        if hvd.size() < 2:
-            return  # one rank alone: no pair, nothing timed
-        server = socket.create_server((host0, self.PORT)) if hvd.rank() == 0 else None
-        hvd.allreduce(self.zero, name="bench.tcp.listening")
-        if server is not None:
-            self.sock = server.accept()[0]
-            server.close()
-        elif hvd.rank() == 1:
-            self.sock = socket.create_connection((host0, self.PORT), timeout=60)
-        if self.sock is not None:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def exchange(self, nbytes: int, record: Callable[[str, float], None]) -> None:
-        if not self.enabled:
-            return
-        self.hvd.allreduce(self.zero, name="bench.tcp.go")  # both start together
-        if self.sock is None:
-            return
-        got = [0]
-
-        def receive() -> None:
-            while got[0] < nbytes:
-                got[0] += len(self.sock.recv(min(1 << 20, nbytes - got[0])))
-
-        start = time.perf_counter()
-        reader = threading.Thread(target=receive)
-        reader.start()
-        self.sock.sendall(bytes(nbytes))
-        reader.join()
-        record("tcp-exchange", time.perf_counter() - start)
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-
-
-def profile_int8(hvd: Any, allreduce: Callable[[], Any]) -> List[Tuple[str, float, int]]:
-    """torch.profiler's self-CPU table of one int8 compressed all-reduce on rank 0 (every rank
-    runs the collective): which tensor ops the codec's time goes to. (name, ms, calls), top 8."""
-    from torch.profiler import ProfilerActivity, profile
-
-    allreduce()  # warm
-    if hvd.rank() != 0:
-        allreduce()
-        return []
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        allreduce()
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
-    return [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in rows]
 
 
 def device_times(text: str) -> List[float]:

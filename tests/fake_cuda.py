@@ -11,7 +11,7 @@ device and thread, the job under its bucket's device, markers waited for on thei
 record_stream on the consuming stream for every tensor that crosses streams, the side stream
 behind the default stream after Horovod's async completion). What it cannot prove: that those
 calls are sufficient on a real GPU (the allocator's and the driver's behaviour); the real run
-is benchmarks/gpu_check.py --device cuda.
+is tools/gpu_check.py --device cuda.
 """
 from __future__ import annotations
 

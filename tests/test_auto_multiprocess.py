@@ -1,5 +1,10 @@
 """width="auto" / compression="auto" on 2 real ranks under horovodrun (tests/mp/torch_auto.py)."""
+import pytest
+
 from launcher import run_ranks
+
+# every test here launches ranks
+pytestmark = pytest.mark.multiprocess
 
 
 def test_auto_choice_and_switch_step_identical_across_ranks_and_training_stays_exact():

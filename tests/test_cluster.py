@@ -1,4 +1,4 @@
-"""The emulated cluster (benchmarks/cluster): hosts reach each other over shaped links, ranks start
+"""The emulated cluster (tools/cluster): hosts reach each other over shaped links, ranks start
 one per host, and tear-down leaves no namespace behind, also after a failure or a signal."""
 import os
 import shutil
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from benchmarks.cluster.netns import Cluster, leftover_namespaces
+from tools.cluster.netns import Cluster, leftover_namespaces
 
 
 def _why_no_netns() -> str:
@@ -37,10 +37,10 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
         assert sorted(leftover_namespaces(prefix)) == sorted([cluster.switch, cluster.namespace(0), cluster.namespace(1)])
         # 2 MB from host 1 to host 0 at 200 Mbit/s takes >= 80 ms: the link is shaped, not loopback.
         server = subprocess.Popen(cluster.exec(0, [sys.executable, "-c", (
-            "import socket; s = socket.socket(); s.bind(('198.18.0.1', 18600)); s.listen(); c, _ = s.accept(); "
-            "n = 0\nwhile True:\n d = c.recv(1 << 16)\n if not d: break\n n += len(d)\nprint(n)")]),
+            "import socket; s = socket.socket(); s.bind(('198.18.0.1', 18600)); s.listen(); print('READY', flush=True); "
+            "c, _ = s.accept(); n = 0\nwhile True:\n d = c.recv(1 << 16)\n if not d: break\n n += len(d)\nprint(n)")]),
             stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
+        assert server.stdout.readline().strip() == "READY"  # listening: the client may connect
         start = time.perf_counter()
         subprocess.run(cluster.exec(1, [sys.executable, "-c", (
             "import socket; c = socket.create_connection(('198.18.0.1', 18600)); c.sendall(b'x' * 2_000_000); "
@@ -54,9 +54,10 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing_behind():
     assert leftover_namespaces(prefix) == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("controller", ["mpi", "gloo"])
 def test_horovod_ranks_start_one_per_host(controller):
-    from benchmarks.cluster import gloo, launch
+    from tools.cluster import gloo, launch
 
     script = ("import os, socket, horovod.torch as hvd, torch; hvd.init(); "
               "t = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), op=hvd.Sum); "
@@ -82,7 +83,7 @@ def test_tear_down_after_an_error_and_after_sigterm():
 
     prefix = f"psgdt{os.getpid() % 100000}"  # unique: another test run may hold its own cluster
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from benchmarks.cluster.netns import Cluster\n"
+        "import sys, time; from tools.cluster.netns import Cluster\n"
         f"with Cluster(2, prefix='{prefix}') as c:\n print('UP', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert holder.stdout.readline().strip() == "UP"

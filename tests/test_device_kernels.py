@@ -1,6 +1,6 @@
 """Dispatch of the fused codec kernels on device tensors (ops' kernel_device, compression/device_kernels.py).
 
-The Triton kernels themselves cannot run here (no GPU; benchmarks/gpu_check.py compares them bit
+The Triton kernels themselves cannot run here (no GPU; tools/gpu_check.py compares them bit
 for bit with the CPU reference on one). What this checks on the CPU, with a fake CUDA table: a
 device tensor goes to the device kernels when they load, to the tensor-op reference when Triton
 is not importable (never to the host C kernels, which would read device memory), and each codec

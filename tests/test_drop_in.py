@@ -6,6 +6,9 @@ import pytest
 
 from launcher import run_ranks
 
+# every test here launches ranks
+pytestmark = pytest.mark.multiprocess
+
 STYLE = Path(__file__).resolve().parent / "horovod_style"
 SWAPS = {"torch_digits.py": ("import horovod.torch as hvd", "import pipesgd_hvd.torch as hvd"),
          "keras_digits.py": ("import horovod.tensorflow.keras as hvd", "import pipesgd_hvd.keras as hvd")}

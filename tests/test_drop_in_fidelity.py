@@ -14,6 +14,9 @@ import pytest
 
 from launcher import run_ranks
 
+# every test here launches ranks
+pytestmark = pytest.mark.multiprocess
+
 # A mismatch of collectives is reported by the optimizer after PIPESGD_TIMEOUT; keep it short.
 FAST_TIMEOUT = {"PIPESGD_TIMEOUT": "30"}
 SCENARIOS = ("per_class", "per_class_noflush", "resume_rank0", "two_models", "same_names_shapes", "dropped")

@@ -3,6 +3,9 @@ import pytest
 
 from launcher import run_ranks
 
+# every test here launches ranks
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.parametrize("controller", ["mpi", "gloo"])
 def test_horovod_allreduce_torch_and_tensorflow(controller):

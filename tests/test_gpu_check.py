@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py --device cpu: the GPU check's assertions on the CPU, so that the script
+"""tools/gpu_check.py --device cpu: the GPU check's assertions on the CPU, so that the script
 cannot rot between GPU runs (it fails this test when any of its checks fails)."""
 import subprocess
 import sys
@@ -7,9 +7,10 @@ import pytest
 
 from launcher import ROOT, rank_env
 
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SCRIPT = ROOT / "tools" / "gpu_check.py"
 
 
+@pytest.mark.multiprocess
 def test_gpu_check_passes_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_cpu.md"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out)], cwd=ROOT,
@@ -25,7 +26,7 @@ def test_gpu_check_passes_on_the_cpu(tmp_path):
 
 
 def test_a_failing_check_makes_the_script_exit_non_zero(monkeypatch):
-    gpu_check = pytest.importorskip("benchmarks.gpu_check")
+    gpu_check = pytest.importorskip("tools.gpu_check")
     for name in ("section_b", "section_c", "section_d", "section_e", "section_f"):
         monkeypatch.setattr(gpu_check, name, lambda report, *a, **k: None)
     monkeypatch.setattr(gpu_check, "section_a", lambda report, *a, **k: report.check(False, "a.forced") and 1.0)

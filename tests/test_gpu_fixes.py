@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 import torch
 
 import pipesgd_hvd.torch as psgd
@@ -32,6 +33,7 @@ def _python(code: str, timeout: float = 120) -> str:
     return proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_horovod_bf16_allreduce_and_async_completion():
     """Horovod's PyTorch ops refuse bfloat16 ("Tensor type torch.BFloat16Tensor is not supported"):
     the communicator sums in float32 and writes back. With HOROVOD_ENABLE_ASYNC_COMPLETION a
@@ -61,6 +63,7 @@ def test_horovod_bf16_allreduce_and_async_completion():
     assert "PASS bf16" in out and "PASS async-completion" in out
 
 
+@pytest.mark.multiprocess
 def test_mpi4py_refuses_device_parameters_at_construction_with_the_fix():
     out = _python("""
         import torch

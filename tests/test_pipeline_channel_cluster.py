@@ -1,4 +1,4 @@
-"""PipelineChannel on the emulated cluster (benchmarks/cluster): two hosts, shaped links, Horovod
+"""PipelineChannel on the emulated cluster (tools/cluster): two hosts, shaped links, Horovod
 launched by mpirun and by our Gloo launcher. The channel must pick each host's address on the
 link (the host name's under mpirun, HOROVOD_GLOO_IFACE's under Gloo), never loopback, and the
 issue-15 loop (width 2, int8, an unnamed metric all-reduce after each step) must finish."""
@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT), pytest.mark.mul
 
 @pytest.mark.parametrize("controller", ["mpi", "gloo"])
 def test_channel_runs_the_unnamed_metric_loop_across_hosts(controller):
-    from benchmarks.cluster import gloo, launch
-    from benchmarks.cluster.netns import Cluster, leftover_namespaces
+    from tools.cluster import gloo, launch
+    from tools.cluster.netns import Cluster, leftover_namespaces
 
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{TESTS}"}
     with Cluster(2, rate="1gbit") as cluster:

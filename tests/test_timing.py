@@ -1,21 +1,18 @@
-"""Closed-form tests of the timing model (pipesgd_hvd/auto/model.py): each formula by hand, its
-limits, the least-squares fits, and the CLI."""
+"""Closed-form tests of the timing model (the auto rule's terms in pipesgd_hvd/auto/model.py, the
+rest in benchmarks/timing_model.py): each formula by hand, its limits, the least-squares fits, and
+the CLI."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pipesgd_hvd.auto import model as timing
-from pipesgd_hvd.auto.model import (CODECS, CodecParams, LinkParams, compressed_allreduce_time, fit_codec, fit_link,
-                                pipelined_iteration_time, predict, ps_iteration_time, ring_allreduce_time, speedup,
-                                sync_iteration_time, total_time)
+from benchmarks import timing_model as timing
+from benchmarks.timing_model import (fit_codec, fit_link, pipelined_iteration_time, predict, ps_iteration_time,
+                                     ring_allreduce_time, speedup, total_time)
+from pipesgd_hvd.auto.model import CODECS, CodecParams, LinkParams, compressed_allreduce_time, sync_iteration_time
 
-ROOT = Path(__file__).resolve().parents[1]
 # The running example: 4 workers, 100 MB of gradients, 10 Gbit/s, 100 us per message, 0.1 ns/byte.
 N, M = 4, 100e6
 LINK = LinkParams(alpha=1e-4, bandwidth=1.25e9, gamma=1e-10)
@@ -215,11 +212,9 @@ def test_cli_prints_table(capsys):
     assert "1.85x" in out  # none, width 2: 278.1 / 150
 
 
-def test_cli_writes_png(tmp_path):
+def test_cli_writes_png(tmp_path, capsys):
     png = tmp_path / "speedup.png"
-    proc = subprocess.run([sys.executable, "-m", "pipesgd_hvd.auto.model", "--workers", "4", "--model-mb", "100",
-                           "--bandwidth-gbit", "10", "--compute-ms", "150", "--width", "2", "--plot", str(png)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "int8" in proc.stdout
+    assert timing.main(["--workers", "4", "--model-mb", "100", "--bandwidth-gbit", "10", "--compute-ms", "150",
+                        "--width", "2", "--plot", str(png)]) == 0
+    assert "int8" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -5,6 +5,9 @@ import pytest
 
 from launcher import run_ranks, run_torchrun
 
+# every test here launches ranks
+pytestmark = pytest.mark.multiprocess
+
 
 def test_parity_with_horovod_and_with_the_reference_rule():
     out = run_ranks("mp/torch_pipeline.py")

@@ -2,7 +2,7 @@
 
 A fake CUDA table (tests/fake_cuda.py) reports every tensor on a GPU other than cuda:0 and logs
 the stream calls. These tests prove that the pipeline makes the calls the rules require; they
-cannot prove that the calls suffice on real hardware (that is benchmarks/gpu_check.py --device
+cannot prove that the calls suffice on real hardware (that is tools/gpu_check.py --device
 cuda's job: bitwise equality with a CUDA_LAUNCH_BLOCKING=1 run under allocation churn).
 """
 import threading

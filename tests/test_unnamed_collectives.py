@@ -13,6 +13,9 @@ import pytest
 
 from launcher import run_ranks
 
+# every test here launches ranks
+pytestmark = pytest.mark.multiprocess
+
 STALL = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "10", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"}
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
 

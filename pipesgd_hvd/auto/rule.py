@@ -8,7 +8,7 @@ The rule, from the timing model (``pipesgd_hvd.auto.model``), on numbers measure
   alltoall, sum, allgather, decode), timed synchronously, and the CPU time it cost the rank.
   Timing the real collective matters: on Horovod's Gloo controller the alltoall and allgather
   that carry the byte codecs move about half the bits per second of its float32 all-reduce
-  (docs/benchmarks.md), so a model that predicts compressed times from the float32 link
+  (docs/transports.md), so a model that predicts compressed times from the float32 link
   under-estimates them. Candidates that were not timed are predicted by the model instead
   (the link fitted to the float32 all-reduce, the codec's encode + decode cost, if measured);
 * a pipelined step is predicted at ``max(compute + reduction CPU, reduction)``: the reduction

@@ -6,7 +6,7 @@ comm thread, whose alltoall/allgather calls land at timing-dependent moments, so
 differs across ranks when the user calls an unnamed ``hvd.allreduce(metric)`` between steps and
 the job hangs. This channel never calls Horovod after it is built, so the user's unnamed ops keep
 their names. It was also the fastest transport measured for the compressed phases (2 emulated
-hosts, 155 Mbit to 1 Gbit; docs/benchmarks.md, "Transport for the pipeline's phases"): 84-111% of a
+hosts, 155 Mbit to 1 Gbit; docs/transports.md, "Which transport"): 84-111% of a
 plain TCP exchange alone and 71-113% beside a busy compute thread, where Horovod's alltoall and
 allgather reached 51-64% and 15-59%, and mpi4py 70-106% and 50-100%. Gloo's TCP pairs are driven by
 its own C++ threads, woken by the kernel, so waiting needs neither the GIL nor a polling thread;
@@ -255,7 +255,7 @@ class PipelineChannel:
             x.mul_(prescale)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        # Gloo's ring all-reduce sends in chunks and kept pace with a plain TCP exchange (docs/benchmarks.md).
+        # Gloo's ring all-reduce sends in chunks and kept pace with a plain TCP exchange (docs/transports.md).
         work = self._group(x).allreduce([x], opts)
         return _WorkHandle([work], lambda: x.mul_(after) if after != 1.0 else x, f"allreduce '{name}'",
                            error=self._error, timeout=self._timeout)
@@ -296,7 +296,7 @@ class PipelineChannel:
 
     @staticmethod
     def _exchange(group: Any, transfers: Sequence[Any]) -> List[Any]:
-        """Point-to-point: every receive is posted before any send. Why (measured, docs/benchmarks.md):
+        """Point-to-point: every receive is posted before any send. Why (measured, docs/transports.md):
         Gloo's TCP pair sends a message only once the receiver announced its receive, and queues
         that announcement behind any data it is still writing; when a rank's send starts first,
         its announcement waits for all of its data, so the two directions of an exchange take

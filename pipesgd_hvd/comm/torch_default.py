@@ -5,7 +5,7 @@ Horovod's world: Horovod names an unnamed op after a per-process counter that ev
 advances, so the pipeline's collectives, issued at moments that depend on thread timing, must
 not be Horovod's ops (the user's unnamed ``hvd.allreduce(metric)`` would get different names on
 different ranks and hang); the channel also moves the compressed phases at wire speed where
-Horovod's alltoall/allgather reach about half (docs/benchmarks.md, "phase transport").
+Horovod's alltoall/allgather reach about half (docs/transports.md).
 """
 from __future__ import annotations
 

@@ -11,13 +11,13 @@
 The arithmetic is the reference's, operation for operation (``compression/codecs.py``): correctly
 rounded division (``div_rn``; Triton's ``/`` is approximate), round half to even (``rint``),
 and no fused multiply-add (``enable_fp_fusion=False``: ``y - q * s`` must round the product
-first), so nearest rounding gives the reference's bits. benchmarks/gpu_check.py compares them
+first), so nearest rounding gives the reference's bits. tools/gpu_check.py compares them
 bit for bit with the CPU reference on a GPU.
 
 Kept deliberately simple: one program per (row, block) or per column tile, no autotuning.
 Imported only through ``compression/device_kernels.py``, only for CUDA tensors, only when
 ``triton`` is importable; anything else runs the reference ops. Checked on an H200
-(benchmarks/gpu_check.py, docs/gpu.md): bitwise equal to the CPU reference, 55-93% of each
+(tools/gpu_check.py, docs/gpu.md): bitwise equal to the CPU reference, 55-93% of each
 codec's memory ceiling (docs/gpu_install.md).
 """
 from __future__ import annotations

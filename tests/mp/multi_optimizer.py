@@ -157,8 +157,12 @@ def dropped():
         warnings.simplefilter("always")
         del opt
         gc.collect()
-    time.sleep(1)  # let the dropped reductions complete
-    unwaited = len(hvd.mpi_ops._handle_map)  # Horovod keeps each op's tensors until synchronize()
+    # Horovod keeps each op's tensors until synchronize(): poll until the dropped optimizer's are
+    # waited for (at most 10 s, or they never will be)
+    deadline = time.monotonic() + 10.0
+    while hvd.mpi_ops._handle_map and time.monotonic() < deadline:
+        time.sleep(0.05)
+    unwaited = len(hvd.mpi_ops._handle_map)
     print(f"INFO rank{rank} dropped: {in_flight} step(s) were in flight; warnings at drop: "
           f"{[str(w.message)[:120] for w in caught]}; Horovod handles never waited for: {unwaited}", flush=True)
     # Nothing computed is lost silently (DESIGN.md): dropping work in flight at least warns, and

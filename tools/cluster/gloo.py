@@ -38,7 +38,7 @@ def run(cluster: Cluster, cmd: Sequence[str], env: Optional[Dict[str, str]] = No
     base = dict(os.environ)
     base.update(env or {})
     base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH", "")]))
-    server = subprocess.Popen(cluster.exec(0, [sys.executable, "-m", "benchmarks.cluster.gloo", "--serve",
+    server = subprocess.Popen(cluster.exec(0, [sys.executable, "-m", "tools.cluster.gloo", "--serve",
                                                str(cluster.hosts), "--prefix", cluster.prefix]),
                               stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, env=base, cwd=ROOT)
     ranks: List[subprocess.Popen] = []

@@ -1,8 +1,8 @@
 """One prepared check of the pipeline on a GPU (or, with ``--device cpu``, the same assertions on the
 CPU, which the test suite runs so that the script cannot rot).
 
-    python benchmarks/gpu_check.py --device cuda            # writes docs/gpu.md
-    python benchmarks/gpu_check.py --device cpu [--out F]   # prints the report, or writes F
+    python tools/gpu_check.py --device cuda            # writes docs/gpu.md
+    python tools/gpu_check.py --device cpu [--out F]   # prints the report, or writes F
 
 Sections (each check prints PASS/FAIL/SKIP; the exit status is 1 if any check fails):
 
@@ -48,7 +48,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 
 import pipesgd_hvd.torch as psgd  # noqa: E402
-from benchmarks.gpu_check_ranks import CODECS, batch, digest, make_model, train  # noqa: E402
+from tools.gpu_check_ranks import CODECS, batch, digest, make_model, train  # noqa: E402
 from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.compression import Compression, Quantize, resolve_compression  # noqa: E402
 from pipesgd_hvd.ops.torch import TORCH_OPS, TorchOps  # noqa: E402
@@ -444,7 +444,7 @@ def _host_syncs(dev: str) -> str:
 
 # ------------------------------------------------------------------------------ (e), (f)
 def ranks(args: List[str], world: int, timeout: float = 300, env: Optional[Dict[str, str]] = None) -> List[str]:
-    script = str(ROOT / "benchmarks" / "gpu_check_ranks.py")
+    script = str(ROOT / "tools" / "gpu_check_ranks.py")
     procs = [subprocess.Popen([sys.executable, script, *args, "--rank", str(r), "--world", str(world)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))) for r in range(world)]
@@ -486,7 +486,7 @@ def section_f(report: Report, device: torch.device) -> None:
 # --------------------------------------------------------------------------------- main
 def markdown(report: Report, device: torch.device, seconds: float) -> str:
     lines = ["# GPU check", "",
-             f"Written by `python benchmarks/gpu_check.py --device {device.type}` in {seconds:.0f} s. "
+             f"Written by `python tools/gpu_check.py --device {device.type}` in {seconds:.0f} s. "
              "Every line below is one check of that run (docs/gpu_install.md says what each section proves).", "",
              "| status | check | detail |", "|---|---|---|"]
     lines += [f"| {s} | {n} | {d.replace('|', '/')} |" for s, n, d in report.rows]

@@ -1,4 +1,4 @@
-"""Rank processes of benchmarks/gpu_check.py, sections (e) and (f). Not run by hand.
+"""Rank processes of tools/gpu_check.py, sections (e) and (f). Not run by hand.
 
 (e) ``--section e --rank R --world 2 --port P``: two ranks through torch.distributed Gloo (on CUDA
     both use cuda:0: NCCL refuses two ranks on one device, Gloo moves CUDA tensors through the

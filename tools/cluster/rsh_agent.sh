@@ -1,5 +1,5 @@
 #!/bin/sh
-# Open MPI's rsh agent for the emulated cluster (benchmarks/cluster/launch.py points
+# Open MPI's rsh agent for the emulated cluster (tools/cluster/launch.py points
 # plm_rsh_agent here). Open MPI calls it as "rsh_agent.sh [options] HOST COMMAND...", like ssh:
 # run COMMAND (a shell command line) on HOST, here inside HOST's network namespace, with its own
 # UTS namespace whose host name is HOST's address. PSGD_CLUSTER_PREFIX names the namespaces.

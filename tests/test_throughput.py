@@ -1,0 +1,162 @@
+"""The emulated-cluster study's arithmetic, without a cluster: the calibration's link rates, the
+timing model's inputs and predictions from a made-up launch (split_batch's two calls per update
+included), the targets, and the tables a record renders to. The cluster itself:
+tests/test_cluster.py."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from benchmarks import throughput
+from benchmarks.throughput_analysis import Launch, calls, fit_model, speedup, targets
+from benchmarks.throughput_plan import CommFit, fit_comm, plan_rate, rate_bps, second_rate
+from benchmarks.throughput_report import render
+from benchmarks.throughput_worker import CODECS, LOOPS, TRAINING
+
+GRAD = 16_000_000          # bytes of float32 gradient
+# 12.5 MB of gradient on 2 ranks: 100 Mbit on the wire; all-reduce = 20 ms + wire at 80% of the rate.
+FIT = CommFit(fixed=0.02, wire=100e6, efficiency=0.8)
+# comm ~4x compute: Horovod hides a little, width 2 sits at the all-reduce, int8 is comm-bound.
+STEP = {"horovod": 0.95, "w1": 1.0, "w1-layer": 0.95, "w2": 0.81, "w2-fp16": 0.6, "w2-bf16": 0.6,
+        "w2-truncate16": 0.6, "w2-int8": 0.49, "w2-int4": 0.32, "w2-split-int8": 0.92, "w2-split-int4": 0.62}
+COMM = {"none": 0.8, "fp16": 0.55, "bf16": 0.55, "truncate16": 0.55, "int8": 0.45, "int4": 0.3}
+CPU = {"none": 0.02, "fp16": 0.04, "bf16": 0.04, "truncate16": 0.1, "int8": 0.1, "int4": 0.1}
+
+
+def made_up(step: dict = STEP, comm: dict = COMM, compute: float = 0.2, configs=TRAINING) -> Launch:
+    """A 2-rank launch: rank 1 always the slower by 1 ms; CPU equal on both ranks; the threads burn
+    nothing idle, and Horovod's take none of a collective's CPU."""
+    med = {"compute": compute, "forward": 0.07, "backward": 0.12, "update": 0.01, "add": GRAD * 0.2e-9,
+           "ar-small": 0.002, "comm-none-quarter": comm["none"] / 4 + 0.0015, "idle": 0.25, "cpu/idle": 0.0,
+           "cpu-hvd/idle": 0.0, **step, **{f"comm-{c}": t for c, t in comm.items()},
+           **{f"loop-{c}": step[f"w2-{c}" if c != "none" else "w2"] for c in ("none", *CODECS)}}
+    for key in ("compute", *TRAINING, *LOOPS):
+        med.update({f"cpu-main/{key}": 0.9 * compute, f"cpu-other/{key}": 0.02, f"cpu-hvd/{key}": 0.0,
+                    f"cpu-machine/{key}": 2 * med[key]})
+    med.update({f"cpu/comm-{c}": x for c, x in CPU.items()})
+    med.update({f"cpu-hvd/comm-{c}": 0.0 for c in CPU})
+
+    def rank(extra: float) -> dict:
+        samples = {k: [v + (extra if not k.startswith("cpu") else 0.0)] * 3 for k, v in med.items()}
+        return {"samples": samples, "our_cpu_s": 5.0, "machine_busy_s": 12.5, "machine_total_s": 20.0}
+
+    raw = {"ranks": 2, "grad_bytes": GRAD, "layers": 4, "configs": list(configs), "per_rank": [rank(0.0), rank(0.001)],
+           "wire_ratio": {k: 1.0 for k in configs if k != "horovod"}, "auto": None}
+    return Launch(2, "155mbit", 1024, raw)
+
+
+def test_the_calibration_fit_splits_fixed_cost_from_wire_rate():
+    # 250 Mbit/s: 20 ms + 100e6 / (0.8 * 250e6) = 0.52 s; 2.5 Gbit/s: 20 ms + 50 ms
+    fit = fit_comm(2, 12.5e6, [(250e6, 0.52), (2.5e9, 0.07)])
+    assert (fit.fixed, fit.wire, fit.efficiency) == pytest.approx((0.02, 100e6, 0.8), rel=1e-9)
+    # a fixed cost below zero (noise) is clamped: the line through the origin
+    clamped = fit_comm(2, 12.5e6, [(250e6, 0.5), (2.5e9, 0.04)])
+    assert clamped.fixed == 0.0 and clamped.comm(250e6) == pytest.approx(0.5, rel=0.01)
+    with pytest.raises(ValueError, match="did not slow down"):
+        fit_comm(2, 12.5e6, [(250e6, 0.05), (2.5e9, 0.07)])
+
+
+def test_rate_for_an_aim_solves_fixed_plus_wire_over_rate():
+    # aim 1, compute 0.2 s: 0.2 = 0.02 + 100e6 / (0.8 R) -> R = 694.4 Mbit/s, rounded to 3 digits
+    assert plan_rate(FIT, 1.0, 0.2) == ("694mbit", pytest.approx(1.0006, abs=1e-4))
+    assert plan_rate(FIT, 5.0, 0.2)[0] == "128mbit"   # 1.0 = 0.02 + 125e6 / R
+    # the second calibration rate: where the largest aim lands at full link use (fixed guessed 30 ms)
+    assert second_rate(2, 12.5e6, 2.5e9, 0.07, 0.2, 5.0) == "103mbit"
+    assert second_rate(2, 12.5e6, 2.5e9, 0.07, 0.2, 0.25) == "625mbit"  # at most a quarter of the first
+
+
+def test_calibration_measures_twice_then_plans_every_aim():
+    fit = CommFit(fixed=0.02, wire=128e6, efficiency=0.8)   # made_up's 16 MB on 2 ranks
+    rates = []
+
+    def fake_launch(setting, args, configs, quick):
+        assert quick and configs == () and setting.batch == 512 and args.rounds == 2
+        rates.append(setting.rate)
+        # rank 1 adds 1 ms: compute 0.2 s, then 0.22 s (the machine got busier)
+        la = made_up(comm=dict(COMM, none=fit.comm(rate_bps(setting.rate)) - 0.001),
+                     compute=0.199 if len(rates) == 1 else 0.219)
+        la.rate = setting.rate
+        return la
+
+    args = argparse.Namespace(aims=[1.0, 5.0], batch=512, rounds=3, steps=2, comm_reps=1)
+    cal = throughput.calibrate(args, launch=fake_launch)
+    # first 2.5 Gbit/s: 84 ms, fixed guessed 84 - 51.2 = 32.8 ms; aim 5 x 0.2 s: 128e6 / 0.9672 -> 132 Mbit/s
+    assert rates == ["2500mbit", "132mbit"]
+    assert cal["fit"] == pytest.approx(dataclasses.asdict(fit), rel=1e-9) and cal["compute_s"] == pytest.approx(0.21)
+    # aim 1: 128e6 / (0.8 x 0.19) = 842 Mbit/s; aim 5: 128e6 / (0.8 x 1.03) = 155 Mbit/s
+    assert [(a, r) for a, r, _ in cal["plans"]] == [(1.0, "842mbit"), (5.0, "155mbit")]
+
+
+def test_model_gets_parts_only_and_reproduces_them():
+    la = made_up()
+    model = fit_model(la)
+    assert model.comm["none"] == pytest.approx(la.comm("none"), rel=0.05)   # the link fit
+    for c in CODECS:                                                         # each codec's cost
+        assert model.comm[c] == pytest.approx(la.comm(c), rel=1e-9)
+    assert model.step["w2-int8"] == pytest.approx(la.comm("int8"), rel=1e-9)  # comm-bound
+    # Horovod's overlap: (L-1)/L of the backward pass over the all-reduce; pipesgd's default plan
+    # gives this 4-layer model one bucket per layer, hence the same h
+    h = 0.75 * 0.121 / model.comm["none"]
+    assert model.overlap == pytest.approx({"horovod": h, "w1": h, "w1-layer": h}, rel=1e-9)
+    assert model.step["w1"] == pytest.approx(la.compute + (1 - h) * model.comm["none"], rel=1e-9)
+
+
+def test_a_split_batch_update_is_two_calls_each_hiding_its_all_reduce_behind_half_the_compute():
+    la = made_up()
+    assert calls("w2-split-int8") == 2 and calls("w2-int8") == 1
+    # two all-reduces of 0.451 s per update against one compute of 0.201 s
+    assert la.bound("w2-split-int8") == pytest.approx(2 * 0.451)
+    assert la.bound("w2-int8") == pytest.approx(0.451)
+    model = fit_model(la)
+    assert model.step["w2-split-int8"] == pytest.approx(2 * model.comm["int8"], rel=1e-9)
+    # compute off the cores (no interference): each call max(half the compute, its all-reduce)
+    for compute in (0.2, 0.8):     # int4's all-reduce (0.3 s) longer, then shorter than half of compute
+        off = made_up(compute=compute)
+        off.raw["offloaded"] = True
+        model = fit_model(off)
+        assert model.step["w2-split-int4"] == pytest.approx(2 * max((compute + 0.001) / 2, model.comm["int4"]))
+    assert la.loop("w2-split-int8") is None and la.loop("w2-int8") == pytest.approx(0.491)
+
+
+def test_targets_come_from_the_launch():
+    la = made_up()
+    found = {t.name: t for t in targets([la], [fit_model(la)])}
+    int8 = next(t for name, t in found.items() if "int8 (EF) >= 3.5x" in name)
+    assert not int8.met and int8.measured == f"{0.951 / 0.491:.2f}x"
+    # every pipelined row within 10% of its bound (split int8: 0.902 / 0.921 = 98%)
+    assert all(t.met for name, t in found.items() if "within 10% of its bound" in name)
+    split = next(t for name, t in found.items() if "split_batch + int8 (EF) within 10%" in name)
+    assert split.measured == "bound / step = 98%"
+    cpu = {c: next(t for name, t in found.items() if name.endswith(f" {c} all-reduce's CPU on a rank < 20% of compute"))
+           for c in CODECS}
+    assert cpu["fp16"].met and not cpu["int8"].met                      # 0.1 s against 20% of 0.201 s
+    w1 = next(t for name, t in found.items() if "width 1 within 3%" in name)
+    assert not w1.met and w1.measured == f"width 1 / Horovod = {1.001 / 0.951:.3f}"
+    assert speedup(la, "w2-split-int4") == pytest.approx(0.951 / 0.621)
+
+
+def test_split_rows_run_at_comm_about_compute_and_five_times_compute():
+    configs = ["horovod", "w2-int8", "w2-split-int8"]
+    aimed = {aim: throughput.launch_configs(configs, throughput.Setting(2, "1gbit", 1024, "", aim))
+             for aim in (0.25, 1.0, 2.5, 5.0)}
+    assert aimed[1.0] == aimed[5.0] == configs and aimed[0.25] == aimed[2.5] == ["horovod", "w2-int8"]
+    assert throughput.launch_configs(configs, throughput.Setting(2, "1gbit", 1024, "fixed")) == configs
+    assert throughput.launch_configs(configs, throughput.Setting(4, "1gbit", 512, "4 hosts")) == configs[:2]
+
+
+def test_a_record_renders_one_row_per_configuration_the_targets_and_the_plot(tmp_path):
+    two = made_up(configs=("horovod", "w2", "w2-int8", "w2-split-int8"))
+    settings = [throughput.Setting(2, "155mbit", 1024, "comm ~5x compute", 5.0)]
+    record = {"machine": "test", "elapsed_s": 60.0, "load_before": [0.5, 0, 0], "load_after": [1.0, 0, 0],
+              "args": {"controller": "gloo", "layers": 4, "dim": 1000, "rounds": 1, "steps": 2, "horovod_cycle_ms": 20},
+              "calibration": None, "settings": [dataclasses.asdict(s) for s in settings],
+              "launches": [dataclasses.asdict(two)]}
+    text = render(record, tmp_path / "throughput.png")
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| pipesgd width 2 + split_batch + int8 (EF) | 921 | 1.03x | 902 | 98% |  |" in text
+    assert "| pipesgd width 2 + int8 (EF) | 491 | 1.94x | 451 | 92% | 491 (1.00) |" in text
+    assert "pipesgd width 1 |" not in text and "HOROVOD_CYCLE_TIME=20" in text
+    # comm/compute 0.801 / 0.201 = 3.99 misses the aim 5 by 20%
+    assert "| 2 hosts, 155mbit: comm/compute within 20% of its aim 5 | **missed** | 3.99 |" in text

@@ -1,0 +1,1 @@
+"""Tools beside the package: the emulated cluster (``tools/cluster``) and the GPU check."""
