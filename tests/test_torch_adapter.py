@@ -227,7 +227,7 @@ def test_grad_scaler_without_synchronize_is_a_clear_error():
 
 
 def test_staleness_correction_argument_and_resuming_with_it_switched_on_or_off():
-    with pytest.raises(ValueError, match="staleness_correction must be False, True or 'weight_prediction'"):
+    with pytest.raises(ValueError, match="staleness_correction must be False, True, 'auto' or 'weight_prediction'"):
         wrap(make_model(), staleness_correction="yes")
     batches = make_batches(6, 1)
 
