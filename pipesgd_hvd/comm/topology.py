@@ -144,15 +144,16 @@ class LocalCluster:
                         self._crosses[lay.local_rank].communicator(lay.cross_rank))
 
 
-def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd") -> Optional[Topology]:
+def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topology") -> Optional[Topology]:
     """The groups the optimizer's ``hierarchical`` argument asks for, or None (flat reductions).
 
-    ``False``: None. A :class:`Topology`: it, once its size is checked. ``True`` or ``None``
-    (the default) on the pipeline's channel under Horovod: gathers every rank's layout (one
-    object allgather on ``comm``, so every rank decides from the same facts) and builds the groups
-    (:func:`channel_topology`); ``None`` builds them only where they help (several ranks on each of
-    several hosts), ``True`` always, and raises, naming the fix, where it cannot. Collective for
-    ``True``/``None`` on a channel of more than one rank: call it on every rank at the same point."""
+    ``False``: None. A :class:`Topology`: it, once its size is checked. ``True`` (or "fp16" /
+    "bf16", the node stage's dtype, which the caller reads) or ``None`` (the default) on the
+    pipeline's channel under Horovod: gathers every rank's layout (one object allgather on
+    ``comm``, named ``name``, so every rank decides from the same facts) and builds the groups
+    (:func:`channel_topology`); ``None`` builds them only where they help (several ranks on each
+    of several hosts), the others always, and raise, naming the fix, where they cannot.
+    Collective on a channel of more than one rank: call it on every rank at the same point."""
     if choice is False:
         return None
     if isinstance(choice, Topology):
@@ -160,35 +161,38 @@ def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd") -> 
             raise ValueError(f"hierarchical= was given a Topology of {choice.layout.local_size} x "
                              f"{choice.layout.cross_size} ranks for a communicator of {comm.size}")
         return choice
-    if choice is not None and choice is not True:
-        raise ValueError(f"hierarchical must be None (on where it helps), True, False or a Topology, got {choice!r}")
-    if comm.size == 1:
-        return None
+    required = choice is True or isinstance(choice, str)  # "fp16"/"bf16": on, 16 bits inside the node
+    if choice is not None and not required:
+        raise ValueError(f"hierarchical must be None (on where it helps), True, False, 'fp16', 'bf16' or a Topology, "
+                         f"got {choice!r}")
     from .pipeline_channel import PipelineChannel
 
     if not isinstance(comm, PipelineChannel):
-        if choice is True:
-            raise ValueError(f"hierarchical=True builds its node groups on the pipeline's own channel (the default "
-                             f"communicator under Horovod), not on {type(comm).__name__}: leave communicator= out, "
-                             "pass hierarchical=False, or pass hierarchical=Topology(...) built over your transport")
+        if required:
+            raise ValueError(f"hierarchical={choice!r} builds its node groups on the pipeline's own channel (the "
+                             f"default communicator under Horovod), not on {type(comm).__name__}: leave communicator= "
+                             "out, pass hierarchical=False, or pass hierarchical=Topology(...) built over your transport")
         return None
-    layout = _horovod_layout(choice is True)
+    if comm.size == 1:
+        return None
+    layout = _horovod_layout(choice if required else None)
     if layout is None:
         return None
     layouts = [NodeLayout(*entry) for entry in comm.allgather_object(
-        [layout.local_rank, layout.local_size, layout.cross_rank, layout.cross_size], f"{name}.topology")]
+        [layout.local_rank, layout.local_size, layout.cross_rank, layout.cross_size], name)]
     problem = layout_problem(layouts, comm.size)
     if problem is not None:
-        if choice is True:
-            raise ValueError(f"hierarchical=True needs the same ranks on every host: {problem}; or pass "
-                             "hierarchical=False")
+        if required:
+            raise ValueError(f"hierarchical={choice!r} needs the same number of ranks on every host: {problem}; or "
+                             "pass hierarchical=False")
         return None
-    if choice is None and not layout.worth_it:
+    if not required and not layout.worth_it:
         return None
     return channel_topology(comm, layout)
 
 
-def _horovod_layout(required: bool) -> Optional[NodeLayout]:
+def _horovod_layout(required: Any) -> Optional[NodeLayout]:
+    """This rank's layout from Horovod; None without it, unless ``required`` (the user's value) asks for it."""
     try:
         import horovod.torch as hvd
 
@@ -197,9 +201,9 @@ def _horovod_layout(required: bool) -> Optional[NodeLayout]:
         ready = False
     if ready:
         return NodeLayout.from_horovod()
-    if required:
-        raise ValueError("hierarchical=True takes the hosts from Horovod (hvd.init() first); without Horovod pass "
-                         "hierarchical=Topology(...) or hierarchical=False")
+    if required is not None:
+        raise ValueError(f"hierarchical={required!r} takes the hosts from Horovod (hvd.init() first); without Horovod "
+                         "pass hierarchical=Topology(...) or hierarchical=False")
     return None
 
 
