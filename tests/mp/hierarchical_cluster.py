@@ -20,7 +20,7 @@ import torch
 import pipesgd_hvd.torch as psgd
 from allreduce_reference import hierarchical_reference
 from common import assert_replicas_identical, passed
-from counting_comm import CountingComm
+from pipesgd_hvd.comm.counting import CountingComm
 from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
 from pipesgd_hvd.comm.topology import Topology, resolve_topology
 from pipesgd_hvd.compression import resolve_compression
