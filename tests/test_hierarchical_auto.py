@@ -139,3 +139,53 @@ def test_the_controller_times_both_forms_and_rebuilds_with_the_faster(hier_s, ex
     assert timed == expect_timed
     assert rebuilt == [(2, "fp16", expect_hier)]  # the least lossy codec within 10% of the fastest
     assert all(o[1] == rebuilt and o[0] == timed for o in out)  # every rank timed and chose alike
+
+
+def test_the_optimizer_rebuilds_a_hierarchical_pipeline_when_the_auto_mode_says_so():
+    """Through PyTorch's DistributedOptimizer and the life cycle's rebuild: the groups passed as
+    hierarchical= are used by the pipeline the auto mode switches to (fp16 here, whose
+    hierarchical form the scripted numbers put within 10% of compute)."""
+    import torch
+
+    import pipesgd_hvd.torch as psgd
+    from pipesgd_hvd.ops.torch import TORCH_OPS
+    from reference import loss_fn, make_batches, make_model
+
+    cluster, batches = LocalCluster(2, 2, TORCH_OPS), make_batches(5, 4)
+    out, errors = [None] * 4, []
+
+    def target(rank):
+        try:
+            model = make_model()
+            opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(), width="auto",
+                                            compression="auto", auto_measure_steps=2, auto_recheck_every=0,
+                                            communicator=cluster.world.communicator(rank),
+                                            hierarchical=cluster.topology(rank))
+            clock = FakeClock()
+            opt.auto_controller.clock, opt.auto_controller.probe = clock, SlowHierarchicalProbe(0.11)
+            before = (opt._core.engine.config.width, opt._core.engine.config.hierarchical)
+            for t in range(5):
+                opt.zero_grad()
+                loss_fn(model, batches[t][rank]).backward()
+                clock.now += 0.1
+                opt.step()
+            opt.flush()
+            engine = opt._core.engine
+            out[rank] = before, (engine.config.width, engine.codec.name, engine.config.hierarchical), \
+                [p.detach().clone() for p in model.parameters()]
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    for before, after, weights in out:
+        assert before == (1, None)  # measuring: synchronous, uncompressed
+        assert after == (2, "fp16", "float32")
+        for w, w0 in zip(weights, out[0][2]):
+            assert torch.equal(w, w0)

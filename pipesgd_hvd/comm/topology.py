@@ -15,6 +15,7 @@ for in-process ranks (:class:`LocalCluster`, tests), or by hand over any transpo
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -165,9 +166,7 @@ def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topol
     if choice is not None and not required:
         raise ValueError(f"hierarchical must be None (on where it helps), True, False, 'fp16', 'bf16' or a Topology, "
                          f"got {choice!r}")
-    from .pipeline_channel import PipelineChannel
-
-    if not isinstance(comm, PipelineChannel):
+    if not _is_channel(comm):
         if required:
             raise ValueError(f"hierarchical={choice!r} builds its node groups on the pipeline's own channel (the "
                              f"default communicator under Horovod), not on {type(comm).__name__}: leave communicator= "
@@ -189,6 +188,13 @@ def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topol
     if not required and not layout.worth_it:
         return None
     return channel_topology(comm, layout)
+
+
+def _is_channel(comm: Communicator) -> bool:
+    """Whether ``comm`` is the pipeline's channel, without importing it (and PyTorch) into a
+    process that never built one (Keras)."""
+    module = sys.modules.get("pipesgd_hvd.comm.pipeline_channel")
+    return module is not None and isinstance(comm, module.PipelineChannel)
 
 
 def _horovod_layout(required: Any) -> Optional[NodeLayout]:

@@ -265,7 +265,9 @@ class PipelineLifecycle:
             if self.auto_controller is not None:
                 self.auto_controller.comm = self.comm
         self._name = agree_pipeline_name(self.comm)  # collective: every rank of the new world is here
-        if self.topology is None:  # the new world's hosts
+        if not isinstance(self.options.hierarchical, Topology):  # the new world's hosts, on every rank alike
+            if self.topology is not None:
+                self.topology.close()
             self.topology = self._new_topology()
         self.pipeline = self._new_pipeline()
         root = None
