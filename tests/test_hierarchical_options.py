@@ -123,3 +123,37 @@ def test_bad_values_name_the_fix():
                                   compression="int8", communicator=comm, hierarchical="yes")
     with pytest.raises(ValueError, match="Topology of 2 x 2 ranks for a communicator of 1"):
         resolve_topology(LocalCluster(2, 2, TORCH_OPS).topology(0), comm)
+
+
+@pytest.mark.parametrize("choice", [True, None])
+def test_hosts_of_different_sizes(monkeypatch, choice):
+    """Hosts a:2, b:1 (Horovod's numbers for them), on a stand-in for the channel: True raises on
+    every rank, naming the fix; None stays flat on every rank (each decides from everyone's layout)."""
+    from pipesgd_hvd.comm import topology
+    from pipesgd_hvd.comm.local import LocalWorld
+    from pipesgd_hvd.comm.topology import NodeLayout
+    from threads import run_threads
+
+    layouts = [NodeLayout(0, 2, 0, 2), NodeLayout(1, 2, 0, 1), NodeLayout(0, 1, 1, 2)]
+    monkeypatch.setattr(topology, "_is_channel", lambda comm: True)
+    monkeypatch.setattr(topology, "_horovod_layout", lambda required: layouts[threading_rank()])
+
+    ranks = {}
+
+    def threading_rank():
+        return ranks[threading.get_ident()]
+
+    def rank_fn(rank, comm):
+        ranks[threading.get_ident()] = rank
+        try:
+            return resolve_topology(choice, comm)
+        except ValueError as exc:
+            return str(exc)
+
+    results = run_threads(LocalWorld(3, TORCH_OPS), rank_fn)
+    if choice is None:
+        assert results == [None, None, None]
+    else:
+        assert all("hierarchical=True needs the same number of ranks on every host: the hosts hold different numbers "
+                   "of ranks (local sizes [1, 2], cross sizes [1, 2]); launch as many ranks on every host" in r
+                   and "or pass hierarchical=False" in r for r in results), results
