@@ -4,7 +4,7 @@ hosts only, compute off the cores.
     python -m benchmarks.hierarchical --doc        (as root; writes the "hierarchical" section)
     python -m benchmarks.hierarchical --smoke      (one aim, few steps: proves it runs; no docs)
 
-One ``horovodrun --gloo`` launch per aim (``benchmarks/cluster/horovodrun.py``): the link rate is
+One ``horovodrun --gloo`` launch per aim (``tools/cluster/horovodrun.py``): the link rate is
 set so that Horovod's float32 all-reduce of the gradient takes about ``aim`` x the compute time
 (a host's link carries ``2 (N-1)/N`` of the gradient in its ring); each launch reports the ratio it
 measured. The two ranks of a host share its namespace, so what they send each other stays on the
@@ -166,8 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.aims, args.rounds, args.steps = [5.0], 1, 3
-    from .cluster import horovodrun
-    from .cluster.netns import Cluster, leftover_namespaces
+    from tools.cluster import horovodrun
+    from tools.cluster.netns import Cluster, leftover_namespaces
     from .report import machine_line
 
     compute = sum(float(t) for t in args.device_times.split(","))
