@@ -95,7 +95,7 @@ def _local_reduce_scatter(ops: TensorOps, local: Communicator, rows: Tensor, *, 
     if local_dtype == "float32":
         received = local.alltoall_async(rows, name).wait()
         ops.record_use(received)
-        total = received[0:1] + 0.0  # +0 + row0: a -0 becomes +0, as in the codecs' kernels
+        total = received[0:1] + 0.0  # a new tensor (the rows are the transport's), from +0 as the codecs add
         for r in range(1, ops.shape(received)[0]):
             total = total + received[r:r + 1]
         return total
