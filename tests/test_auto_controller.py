@@ -241,7 +241,7 @@ def test_compute_is_the_time_outside_the_reduction_waits_framework_free():
     # numpy ops and a stub engine: nothing of PyTorch (the Keras adapter can drive it the same way)
     clock, engine, rebuilt = FakeClock(), StubEngine(256), []
     controller = AutoController(AutoSettings.from_arguments("auto", "auto", 4, 3),
-                                LocalWorld(1, NUMPY_OPS).communicator(0), NUMPY_OPS, rebuild=lambda w, c: rebuilt.append((w, c)),
+                                LocalWorld(1, NUMPY_OPS).communicator(0), NUMPY_OPS, rebuild=lambda w, c, h: rebuilt.append((w, c)),
                                 probe=ScriptedProbe([0.2]), clock=clock)
     computes = [5.0, 0.1, 0.3, 0.2, 0.5, 0.6, 0.7]  # the first step (no previous end) is not counted
     for t, compute in enumerate(computes):

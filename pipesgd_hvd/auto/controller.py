@@ -50,15 +50,18 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..comm.base import Communicator, DoneHandle
+from ..comm.topology import Topology
 from ..compression import resolve_compression
 from ..compression.allreduce import compressed_allreduce, reduce_bucket
+from ..compression.hierarchical import hierarchical_allreduce
 from ..compression.codecs import Codec
 from ..ops.base import MutableTensorOps, Tensor
 from ..ops.seeds import Seed
 from ..pipeline.engine import AppliedStep
 from ..pipeline.fusion import TensorSpec
 from .model import CODECS
-from .rule import CANDIDATES, TOLERANCE, Decision, Measurements, decide_fixed, settled
+from .rule import (CANDIDATES, TOLERANCE, Decision, Measurements, decide_fixed, hierarchical_label, settled,
+                   with_hierarchical)
 
 AUTO = "auto"
 GATHER_NAME = "pipesgd.auto"
@@ -148,7 +151,8 @@ class Probe(Protocol):
     def reduction(self, comm: Communicator, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> Tuple[float, float]:
         """(seconds, what it costs compute) of one synchronous reduction of ``flat`` with ``codec``,
         as the engine runs it: the process's CPU seconds on host tensors, the codec's GPU seconds
-        on device tensors. Collective."""
+        on device tensors. Collective. (A probe that times hierarchical candidates also takes
+        ``topology=`` and ``node_dtype=``: the groups and the dtype inside the node.)"""
         ...
 
 
@@ -197,22 +201,32 @@ class TimingProbe:
                  cpu_clock: Callable[[], float] = time.process_time, repeats: int = 3) -> None:
         self.clock, self.cpu_clock, self.repeats = clock, cpu_clock, repeats
 
-    def reduction(self, comm: Communicator, ops: MutableTensorOps, codec: Codec, flat: Tensor) -> Tuple[float, float]:
+    def reduction(self, comm: Communicator, ops: MutableTensorOps, codec: Codec, flat: Tensor,
+                  topology: Optional[Topology] = None, node_dtype: str = "float32") -> Tuple[float, float]:
         """One warm-up (it also lines the ranks up and lets the transport set up its connections),
         then the median of ``repeats`` (wall) and of their process CPU time, which includes the
         transport's own threads: on a core shared with compute, that is what compute loses.
         ``flat`` may be overwritten; a private copy of ``codec`` keeps the pipeline's
-        error-feedback residuals out of it."""
+        error-feedback residuals out of it. ``topology``: a byte codec's reduction is the
+        hierarchical one over these groups, ``node_dtype`` inside the node."""
         codec = copy.deepcopy(codec)
-        tag = f"{GATHER_NAME}.{codec.name}"
-        reduce_bucket(ops, comm, codec, flat, name=f"{tag}.warmup", key=tag, seed=Seed(0)).wait()
+        tag = f"{GATHER_NAME}.{codec.name}" + (".hier" if topology is not None else "")
+
+        def reduce(name: str, seed: Seed) -> Tuple[Tensor, int]:
+            if topology is not None and not codec.summable:
+                return hierarchical_allreduce(ops, topology, codec, flat, name=name, key=tag, seed=seed,
+                                              local_dtype=node_dtype)
+            return reduce_bucket(ops, comm, codec, flat, name=name, key=tag, seed=seed).wait()
+
+        reduce(f"{tag}.warmup", Seed(0))
         times, cpu = [], []
         for i in range(self.repeats):
             start, cpu_start = self.clock(), self.cpu_clock()
-            out, _ = reduce_bucket(ops, comm, codec, flat, name=f"{tag}.{i}", key=tag, seed=Seed(i + 1)).wait()
+            out, _ = reduce(f"{tag}.{i}", Seed(i + 1))
             _block(ops, out)
             times.append(self.clock() - start)
             cpu.append(self.cpu_clock() - cpu_start)
+        # (hierarchical: the flat reduction's codec work, an upper bound: the node stage leaves it less)
         on_device = codec_device_seconds(ops, codec, flat, comm.size)
         return statistics.median(times), (statistics.median(cpu) if on_device is None else on_device)
 
@@ -230,13 +244,20 @@ class AutoController:
     """Measures, gathers, decides and switches; see the module docstring for the timeline."""
 
     def __init__(self, settings: AutoSettings, comm: Communicator, ops: MutableTensorOps,
-                 rebuild: Callable[[int, Any], None], *, probe: Optional[Probe] = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 rebuild: Callable[[int, Any, bool], None], *, probe: Optional[Probe] = None,
+                 clock: Callable[[], float] = time.perf_counter, topology: Optional[Topology] = None,
+                 choose_hierarchy: bool = False, node_dtype: str = "float32") -> None:
+        """``rebuild(width, compression, hierarchical)`` builds the next pipeline. ``topology``:
+        the groups of hierarchical reductions, where there are (a byte codec is then timed and run
+        hierarchically); ``choose_hierarchy``: time it flat too and take the better (the user
+        left ``hierarchical`` to us)."""
         self.settings, self.comm, self.ops = settings, comm, ops
         self._rebuild = rebuild
+        self.topology, self.choose_hierarchy, self.node_dtype = topology, choose_hierarchy, node_dtype
         self.probe: Probe = probe if probe is not None else TimingProbe()
         self.clock = clock
         self.width, self.compression = settings.initial()
+        self.hierarchical = topology is not None  # what a byte codec runs as until a decision
         self.history: List[AutoRecord] = []
         self.next_check: Optional[int] = settings.measure_steps
         self._samples: Deque[float] = collections.deque(maxlen=settings.measure_steps)
@@ -281,31 +302,55 @@ class AutoController:
         mine = {"step": engine.step, "settings": self.settings.entries(), "gradient_bytes": nbytes,
                 "compute_s": statistics.median(self._samples) if self._samples else previous}
         m = _slowest(self.comm.allgather_object(mine, GATHER_NAME))
+        if self.topology is not None:
+            m = dataclasses.replace(m, local_size=self.topology.layout.local_size)
         s = self.settings
-        for codec in s.timed_codecs() if m.ranks > 1 else ():  # one rank: nothing to time
+        for codec, label, topology in self._timed(s) if m.ranks > 1 else ():  # one rank: nothing to time
             flat = self._flat(latest[-1]) if latest else self.ops.zeros((nbytes // 4,), "float32")
-            seconds, cpu = self.probe.reduction(self.comm, self.ops, codec, flat)
-            theirs = self.comm.allgather_object((float(seconds), float(cpu)), f"{GATHER_NAME}.{codec.name}")
-            name = model_name(codec)
-            m = dataclasses.replace(m, reduction_s={**m.reduction_s, name: max(t for t, _ in theirs)},
-                                    reduction_cpu_s={**m.reduction_cpu_s, name: max(c for _, c in theirs)})
-            if name == "none":
+            hier = {} if topology is None else {"topology": topology, "node_dtype": self.node_dtype}
+            seconds, cpu = self.probe.reduction(self.comm, self.ops, codec, flat, **hier)
+            theirs = self.comm.allgather_object((float(seconds), float(cpu)), f"{GATHER_NAME}.{label}")
+            m = dataclasses.replace(m, reduction_s={**m.reduction_s, label: max(t for t, _ in theirs)},
+                                    reduction_cpu_s={**m.reduction_cpu_s, label: max(c for _, c in theirs)})
+            if label == "none":
                 m = dataclasses.replace(m, allreduce_s=m.reduction_s["none"])
-            if s.compression is None and settled(m, name, tolerance=s.tolerance, sync_fraction=s.sync_fraction):
+            if s.compression is None and settled(m, label, tolerance=s.tolerance, sync_fraction=s.sync_fraction):
                 break  # the lossier codecs cannot change the choice: not timed
         decision = decide_fixed(m, width=s.width, compression=s.fixed_codec_name(), sync_fraction=s.sync_fraction,
-                                tolerance=s.tolerance, candidates=s.candidates)
+                                tolerance=s.tolerance, candidates=self._labels(s.candidates))
         self.history.append(AutoRecord(engine.step, m, decision))
         if self.comm.rank == 0:
             log.info("pipesgd_hvd auto, step %d: %s; measured (slowest of %d ranks): %s",
                      engine.step, decision.describe(), m.ranks, describe_measurements(m))
         self._samples.clear()
         self.next_check = engine.step + s.recheck_every if s.recheck_every else None
-        chosen = (decision.width, decision.compression if s.compression is None else s.compression)
-        if chosen != (self.width, self.compression):
-            self.width, self.compression = chosen
+        chosen = (decision.width, decision.compression if s.compression is None else s.compression,
+                  decision.hierarchical)
+        if chosen != (self.width, self.compression, self.hierarchical):
+            self.width, self.compression, self.hierarchical = chosen
             self._rebuild(*chosen)
         return flushed
+
+    def _labels(self, candidates: Sequence[str]) -> Tuple[str, ...]:
+        """The candidates as the rule sees them: byte codecs hierarchical where the groups exist,
+        both ways where the choice is ours."""
+        if self.topology is None:
+            return tuple(candidates)
+        both = with_hierarchical(candidates)
+        return both if self.choose_hierarchy else tuple(c for c in both if c == "none" or c.endswith("/hier"))
+
+    def _timed(self, s: AutoSettings) -> List[Tuple[Codec, str, Optional[Topology]]]:
+        """What a check times, in order: (codec, label, the groups for a hierarchical timing)."""
+        out: List[Tuple[Codec, str, Optional[Topology]]] = []
+        for codec in s.timed_codecs():
+            name = model_name(codec)
+            if codec.summable or self.topology is None:
+                out.append((codec, name, None))
+                continue
+            out.append((codec, hierarchical_label(name), self.topology))
+            if self.choose_hierarchy:
+                out.append((codec, name, None))
+        return out
 
     def _flat(self, step: AppliedStep) -> Tensor:
         """The step's averaged gradient as one new float32 vector (the probe may overwrite it)."""
@@ -318,19 +363,20 @@ class AutoController:
         """Plain values: the running configuration (a fixed codec is not saved: it is the one the
         optimizer is built with), the next check and the measured codec costs."""
         return {"width": self.width, "compression": self.compression if self.settings.compression is None else None,
-                "next_check": self.next_check,
+                "hierarchical": self.hierarchical, "next_check": self.next_check,
                 "history": [(r.step, r.decision.width, r.decision.compression, r.decision.reason)
                             for r in self.history]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores the configuration a checkpoint ran with (rebuilding the engine: collective, call
         on every rank, before loading the engine's state)."""
-        chosen = (int(state["width"]), state["compression"] if self.settings.compression is None else self.compression)
+        chosen = (int(state["width"]), state["compression"] if self.settings.compression is None else self.compression,
+                  bool(state.get("hierarchical", self.topology is not None)) and self.topology is not None)
         self.next_check = state["next_check"]
         self._samples.clear()
         self._wait_started = self._last_end = None
-        if chosen != (self.width, self.compression):
-            self.width, self.compression = chosen
+        if chosen != (self.width, self.compression, self.hierarchical):
+            self.width, self.compression, self.hierarchical = chosen
             self._rebuild(*chosen)
 
 

@@ -6,6 +6,8 @@ per message (s), gamma reduction cost (s/byte), c codec cost (s/byte, encode + d
 r compression ratio (wire bytes / float32 bytes), l_comp compute time per iteration::
 
     compressed all-reduce  l_AR' = 2(N-1) alpha + 2(N-1)/N r M/B + (N-1)/N M (gamma + c)
+    on C nodes of L ranks  flat_on_nodes_time, hierarchical_allreduce_time (the links inside a node
+                           apart from the node's link to the others)
     all-reduce sync        l_comp + (1-h) l_AR      h: share of l_AR hidden in the backward pass
 
 The rest of the paper's model (the ring, parameter server, pipelined and total times, the
@@ -72,6 +74,53 @@ def compressed_allreduce_time(n: int, nbytes: float, link: LinkParams, codec: Co
     share = (n - 1) / n
     return (2 * (n - 1) * link.alpha + 2 * share * codec.ratio * nbytes / link.bandwidth
             + share * nbytes * (link.gamma + codec.cost_per_byte))
+
+
+def flat_on_nodes_time(local_size: int, cross_size: int, nbytes: float, local: LinkParams, cross: LinkParams,
+                       codec: CodecParams) -> float:
+    """The flat compressed all-reduce over all N = L C ranks of C nodes of L ranks, each node on one
+    link to the others (``cross.bandwidth``: a node's) and ``local`` links inside it::
+
+        2(N-1) alpha_c + 2 max(L (N-L)/N r M / B_c, (L-1)/N r M / B_l) + (N-1)/N M (gamma + c)
+
+    Per phase each rank sends ``(N-1)/N r M``, ``(N-L)/N`` of it to other nodes, and the node's L
+    ranks share its link; its own share goes over the node's links at the same time. L = 1 is
+    :func:`compressed_allreduce_time`."""
+    _check_nodes(local_size, cross_size, nbytes)
+    n = local_size * cross_size
+    wire = codec.ratio * nbytes
+    phase = max(local_size * (n - local_size) / n * wire / cross.bandwidth,
+                (local_size - 1) / n * wire / local.bandwidth)
+    return 2 * (n - 1) * cross.alpha + 2 * phase + (n - 1) / n * nbytes * (cross.gamma + codec.cost_per_byte)
+
+
+def hierarchical_allreduce_time(local_size: int, cross_size: int, nbytes: float, local: LinkParams,
+                                cross: LinkParams, codec: CodecParams, node_ratio: float = 1.0) -> float:
+    """The hierarchical compressed all-reduce (``compression/hierarchical.py``) of M bytes on C
+    nodes of L ranks: a reduce-scatter inside the node (``node_ratio`` w: 1 for float32, 0.5 for a
+    16-bit cast), the compressed all-reduce of each rank's shard M/L across nodes, the L ranks of
+    a node sharing its link (each gets ``B_c / L``), and an allgather of the encoded shards inside
+    the node::
+
+        node reduce-scatter  (L-1) alpha_l + (L-1)/L w M / B_l + (L-1)/L M gamma
+        across nodes         2(C-1) alpha_c + 2(C-1)/C r M / B_c + (C-1)/C M/L (gamma + c)
+        node allgather       (L-1) alpha_l + (L-1)/L r M / B_l
+
+    The node's link carries ``2(C-1)/C r M`` where the flat reduction puts
+    ``2 L (C-1)/C r M`` on it (:func:`flat_on_nodes_time`). L = 1 is
+    :func:`compressed_allreduce_time` over C ranks."""
+    _check_nodes(local_size, cross_size, nbytes)
+    share = (local_size - 1) / local_size
+    node = (2 * (local_size - 1) * local.alpha + share * (node_ratio + codec.ratio) * nbytes / local.bandwidth
+            + share * nbytes * local.gamma)
+    shared_link = LinkParams(cross.alpha, cross.bandwidth / local_size, cross.gamma)
+    return node + compressed_allreduce_time(cross_size, nbytes / local_size, shared_link, codec)
+
+
+def _check_nodes(local_size: int, cross_size: int, nbytes: float) -> None:
+    if local_size < 1 or cross_size < 1 or nbytes < 0:
+        raise ValueError(f"need local_size >= 1, cross_size >= 1 and nbytes >= 0, got {local_size}, {cross_size}, "
+                         f"{nbytes}")
 
 
 def sync_iteration_time(compute: float, comm: float, overlap: float = 0.0) -> float:

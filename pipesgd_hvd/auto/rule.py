@@ -14,6 +14,11 @@ The rule, from the timing model (``pipesgd_hvd.auto.model``), on numbers measure
 * a pipelined step is predicted at ``max(compute + reduction CPU, reduction)``: the reduction
   hides behind compute, but the CPU it needs (the codec, the transport) is taken from compute,
   which owns the rank's cores;
+* where each host holds several ranks and there are several hosts, a byte codec is a candidate
+  twice: reduced hierarchically (``"int8/hier"``: float32 inside the host, compressed between
+  hosts, ``compression/hierarchical.py``) and flat (``"int8"``); the hierarchical one counts as
+  the less lossy (each host's sum is quantized, not each rank's gradient), and it is untimed
+  predictions take the links inside a host as free beside the one between hosts;
 * if the float32 all-reduce is under ``sync_fraction`` of compute, synchronous training costs at
   most that fraction: width 1, no compression (no staleness, no loss);
 * otherwise width 2 with the least lossy codec (``none`` < ``fp16`` < ``int8`` < ``int4``) whose
@@ -31,16 +36,35 @@ inputs and the choice is identical everywhere.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-from .model import CODECS, LinkParams, compressed_allreduce_time, sync_iteration_time
+from .model import (CODECS, LinkParams, compressed_allreduce_time, flat_on_nodes_time, hierarchical_allreduce_time,
+                    sync_iteration_time)
 
 #: Candidates, least lossy first. fp16 keeps 11 significant bits (bf16 and truncate16 keep 8);
 #: the quantizers carry error feedback.
 CANDIDATES: Tuple[str, ...] = ("none", "fp16", "int8", "int4")
 #: A lossier codec must beat the least lossy good one by more than this share of a step.
 TOLERANCE = 0.10
+#: The suffix of a candidate reduced hierarchically: "int8/hier".
+HIER = "/hier"
+
+
+def hierarchical_label(name: str) -> str:
+    return name + HIER
+
+
+def split_label(label: str) -> Tuple[str, bool]:
+    """A candidate's label -> (codec name, reduced hierarchically)."""
+    return (label[:-len(HIER)], True) if label.endswith(HIER) else (label, False)
+
+
+def with_hierarchical(candidates: Sequence[str]) -> Tuple[str, ...]:
+    """``candidates`` with each byte codec also reduced hierarchically, that variant first (the
+    less lossy: fewer values are quantized)."""
+    return tuple(label for c in candidates for label in ((c,) if c == "none" else (hierarchical_label(c), c)))
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,7 @@ class Measurements:
     codec_s: Mapping[str, float] = field(default_factory=dict)          # one encode + decode of the gradient
     reduction_s: Mapping[str, float] = field(default_factory=dict)      # timed reductions, per codec
     reduction_cpu_s: Mapping[str, float] = field(default_factory=dict)  # the CPU each cost the rank
+    local_size: int = 1                 # ranks per host (the same on every host)
 
 
 @dataclass(frozen=True)
@@ -60,10 +85,12 @@ class Decision:
     compression: str
     reason: str
     predicted_s: Mapping[str, float]    # predicted iteration time per candidate (width 2; "sync" = width 1)
+    hierarchical: bool = False          # a byte codec reduced hierarchically (compression/hierarchical.py)
 
     def describe(self) -> str:
         times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.predicted_s.items())
-        return f"width={self.width} compression={self.compression}: {self.reason} (predicted per step: {times})"
+        how = " hierarchical" if self.hierarchical else ""
+        return f"width={self.width} compression={self.compression}{how}: {self.reason} (predicted per step: {times})"
 
 
 def link_from_allreduce(ranks: int, nbytes: int, seconds: float) -> LinkParams:
@@ -74,15 +101,24 @@ def link_from_allreduce(ranks: int, nbytes: int, seconds: float) -> LinkParams:
     return LinkParams(alpha=0.0, bandwidth=max(share * nbytes / max(seconds, 1e-9), 1.0))
 
 
-def reduction_time(m: Measurements, name: str) -> float:
-    """The reduction with codec ``name``: as timed, else predicted from the float32 all-reduce."""
-    if name in m.reduction_s:
-        return m.reduction_s[name]
-    if name == "none":
+def reduction_time(m: Measurements, label: str) -> float:
+    """The reduction of candidate ``label``: as timed, else predicted from the float32 all-reduce.
+    On hosts of several ranks, the float32 ring's rate is taken as the link between hosts (a ring
+    ordered host by host puts one of its hops on each host's link) and the links inside a host
+    as free beside it."""
+    if label in m.reduction_s:
+        return m.reduction_s[label]
+    name, hierarchical = split_label(label)
+    if name == "none" and not hierarchical:
         return m.allreduce_s
     link = link_from_allreduce(m.ranks, m.gradient_bytes, m.allreduce_s)
     params = dataclasses.replace(CODECS.get(name, CODECS["none"]),
                                  cost_per_byte=m.codec_s.get(name, 0.0) / max(m.gradient_bytes, 1))
+    if m.local_size > 1 or hierarchical:
+        node = LinkParams(alpha=0.0, bandwidth=math.inf)
+        hosts = max(m.ranks // m.local_size, 1)
+        timing = hierarchical_allreduce_time if hierarchical else flat_on_nodes_time
+        return timing(m.local_size, hosts, m.gradient_bytes, node, link, params)
     return compressed_allreduce_time(m.ranks, m.gradient_bytes, link, params)
 
 
@@ -121,8 +157,9 @@ def decide(m: Measurements, *, sync_fraction: float = 0.05, tolerance: float = T
     else:
         why = f"no codec hides its reduction under compute; the least lossy within {tolerance:.0%} of the fastest"
     cpu = m.reduction_cpu_s.get(chosen)
-    return Decision(2, chosen, f"{why} ({m.compute_s * 1e3:.1f} ms"
-                    + (f", + {cpu * 1e3:.1f} ms of reduction CPU" if cpu else "") + ")", predicted)
+    name, hierarchical = split_label(chosen)
+    return Decision(2, name, f"{why} ({m.compute_s * 1e3:.1f} ms"
+                    + (f", + {cpu * 1e3:.1f} ms of reduction CPU" if cpu else "") + ")", predicted, hierarchical)
 
 
 def decide_fixed(m: Measurements, *, width: Optional[int] = None, compression: Optional[str] = None,
@@ -139,16 +176,29 @@ def decide_fixed(m: Measurements, *, width: Optional[int] = None, compression: O
     if compression is None:
         assert width is not None
         d = decide(m, sync_fraction=sync_fraction, tolerance=tolerance, candidates=candidates)
-        return Decision(width, d.compression, f"width fixed at {width}; codec: {d.reason}", d.predicted_s)
+        return Decision(width, d.compression, f"width fixed at {width}; codec: {d.reason}", d.predicted_s,
+                        d.hierarchical)
+    label = _fixed_codec_variant(m, compression, tolerance)
+    hierarchical = split_label(label)[1]
     if width is not None:
-        return Decision(width, compression, "width and compression both fixed", {})
+        return Decision(width, compression, "width and compression both fixed", {}, hierarchical)
     if m.ranks < 2:
         return Decision(1, compression, "a single rank has nothing to communicate", {})
-    comm = reduction_time(m, compression)
-    predicted = {"sync": sync_iteration_time(m.compute_s, comm), compression: pipelined_step(m, compression)}
+    comm = reduction_time(m, label)
+    predicted = {"sync": sync_iteration_time(m.compute_s, comm), label: pipelined_step(m, label)}
     what = f"compression fixed; its reduction ({comm * 1e3:.1f} ms) is"
     if comm <= sync_fraction * m.compute_s:
         return Decision(1, compression, f"{what} under {sync_fraction:.0%} of compute ({m.compute_s * 1e3:.1f} ms): "
-                        "synchronous costs little", predicted)
+                        "synchronous costs little", predicted, hierarchical)
     return Decision(2, compression, f"{what} over {sync_fraction:.0%} of compute ({m.compute_s * 1e3:.1f} ms): "
-                    "pipelining hides it", predicted)
+                    "pipelining hides it", predicted, hierarchical)
+
+
+def _fixed_codec_variant(m: Measurements, compression: str, tolerance: float) -> str:
+    """A fixed codec timed both ways: hierarchically unless flat is faster by more than
+    ``tolerance`` of a step; else the one form it was timed in (or flat)."""
+    timed = [label for label in (hierarchical_label(compression), compression) if label in m.reduction_s]
+    if len(timed) < 2:
+        return timed[0] if timed else compression
+    steps = {label: pipelined_step(m, label) for label in timed}
+    return timed[0] if steps[timed[0]] <= (1 + tolerance) * steps[timed[1]] else timed[1]

@@ -15,7 +15,7 @@ torch.distributed and the in-process world alike, eagerly or inside a traced Ten
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 from ..comm.base import Communicator, ReduceOp, postscale_factor
 from ..ops.base import ITEMSIZE, Tensor, TensorOps
@@ -83,39 +83,57 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
     buffers have the room).
     """
     seed = seed if isinstance(seed, Seed) else Seed(int(seed))
+    size = comm.size
+    values, n, cols = padded_values(ops, codec, x, numel, size, prescale)
+    gathered, ctx, row_bytes = exchange_compressed(ops, comm, codec, ops.reshape(values, (size, cols)), name=name,
+                                                   key=key, seed=seed, scale=postscale_factor(op, postscale, size))
+    out = ops.reshape(codec.decode(ops, gathered, ctx), (size * cols,))[:n]
+    dtype = ops.dtype_name(x)
+    return (ops.cast(out, dtype) if dtype != "float32" else out), 2 * (size - 1) * row_bytes
+
+
+def padded_values(ops: TensorOps, codec: Codec, x: Tensor, numel: Optional[int], rows: int,
+                  prescale: float = 1.0) -> Tuple[Tensor, int, int]:
+    """``x``'s first ``numel`` values (all by default) as float32, zero-padded to ``rows`` rows of
+    whole codec groups, times ``prescale``: (the ``rows * cols`` values, numel, cols). A float32
+    ``x`` with the room (:func:`padded_numel`) is used where it lies, without a copy."""
     if codec.summable:
         raise ValueError(f"codec {codec.name} is summable: reduce it with a plain all-reduce")
-    size, dtype, length = comm.size, ops.dtype_name(x), ops.numel(x)
+    dtype, length = ops.dtype_name(x), ops.numel(x)
     n = length if numel is None else numel
     if not 0 <= n <= length:
         raise ValueError(f"numel={n} is not within the {length} values of the bucket")
-    cols = codec.padded_cols(max(1, -(-n // size)))
-    if dtype == "float32" and length >= size * cols:
-        values = x if length == size * cols else x[:size * cols]  # zero past n: the caller's word
+    cols = codec.padded_cols(max(1, -(-n // rows)))
+    if dtype == "float32" and length >= rows * cols:
+        values = x if length == rows * cols else x[:rows * cols]  # zero past n: the caller's word
     else:
         head = x if n == length else x[:n]
         values = ops.cast(head, "float32") if dtype != "float32" else head
-        if size * cols != n:
-            values = ops.concat([values, ops.zeros((size * cols - n,), "float32", like=x)], 0)
+        if rows * cols != n:
+            values = ops.concat([values, ops.zeros((rows * cols - n,), "float32", like=x)], 0)
     if prescale != 1.0:
         values = values * prescale
-    rows = ops.reshape(values, (size, cols))
+    return values, n, cols
 
+
+def exchange_compressed(ops: TensorOps, comm: Communicator, codec: Codec, rows: Tensor, *, name: str, key: str,
+                        seed: Seed, scale: float) -> Tuple[Tensor, Any, int]:
+    """The two phases of the compressed all-reduce over ``comm`` on float32 ``rows`` (one per
+    rank): encode, alltoall, decode and sum in float32 times ``scale``, re-encode, allgather.
+    Returns the gathered encoded rows (the same bytes on every rank), their decode context, and
+    the bytes of one encoded row. Error feedback keeps its residuals under ``<key>/send`` and
+    ``<key>/reduced``."""
     # The transport's outputs may come from its own stream's memory (Horovod allocates them on its
     # thread); they are decoded on this one, so they are recorded here (see ops/torch_cuda.py).
     payload, ctx = codec.encode(ops, rows, key=f"{key}/send", seed=seed.child("send"))
     received = comm.alltoall_async(payload, f"{name}.a2a").wait()
     ops.record_use(received)
-    total = codec.decode_sum(ops, received, ctx, postscale_factor(op, postscale, size))
+    total = codec.decode_sum(ops, received, ctx, scale)
 
     reduced, ctx2 = codec.encode(ops, total, key=f"{key}/reduced", seed=seed.child("reduced"))
     gathered = comm.allgather_async(reduced, f"{name}.ag").wait()
     ops.record_use(gathered)
-    out = ops.reshape(codec.decode(ops, gathered, ctx2), (size * cols,))[:n]
-
-    row_bytes = ops.shape(payload)[1] * ITEMSIZE["uint8"]
-    sent = 2 * (size - 1) * row_bytes
-    return (ops.cast(out, dtype) if dtype != "float32" else out), sent
+    return gathered, ctx2, ops.shape(payload)[1] * ITEMSIZE["uint8"]
 
 
 __all__ = ["Reduction", "allreduce_wire_bytes", "compressed_allreduce", "padded_numel", "reduce_bucket"]

@@ -83,7 +83,7 @@ class OptimizerCore(PipelineLifecycle):
                        check_ranks: bool) -> PipelineEngine:
         return PipelineEngine(self.adapter.tensor_specs(), ops=self.adapter.ops, comm=self.comm, codec=codec,
                               config=config, device_anchors=self.adapter.device_anchors(), first_step=first_step,
-                              check_ranks=check_ranks)
+                              check_ranks=check_ranks, topology=self.topology if config.hierarchical else None)
 
     @property
     def engine(self) -> PipelineEngine:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from ..auto.controller import AutoController
 from ..comm.base import Communicator
+from ..comm.topology import Topology, resolve_topology
 from ..compression import resolve_compression
 from ..compression.codecs import Codec
 from ..pipeline.config import PipelineConfig, WireStats
@@ -82,9 +83,12 @@ class PipelineLifecycle:
         # issues no collective here; the pipeline is built again, checked, in elastic_sync().
         joining = elastic.is_elastic_job()
         self._name = provisional_name() if joining else agree_pipeline_name(comm)
+        self.topology: Optional[Topology] = None if joining else self._new_topology()
+        self.hierarchical = True  # byte codecs use the topology where there is one (the auto mode may say no)
         self.pipeline = self._new_pipeline(check_ranks=not joining)
         self.auto_controller = None if options.auto is None else \
-            AutoController(options.auto, comm, self.ops, rebuild=weak_method(self._switch))
+            AutoController(options.auto, comm, self.ops, rebuild=weak_method(self._switch), topology=self.topology,
+                           choose_hierarchy=options.hierarchical is None, node_dtype=options.node_dtype())
         self.prediction = self._new_prediction()
         self.correction = self._new_correction()
         self.split = self._new_split()
@@ -109,9 +113,20 @@ class PipelineLifecycle:
         return self.pipeline.stats
 
     def _new_pipeline(self, first_step: int = 0, check_ranks: bool = True) -> Pipeline:
-        config = self.options.config(self._name, width=self.width)
-        return self.build_pipeline(config, resolve_compression(self._codec_template), first_step=first_step,
-                                   check_ranks=check_ranks)
+        codec = resolve_compression(self._codec_template)
+        on = self.topology is not None and self.hierarchical and not codec.summable
+        hierarchical = self.options.node_dtype() if on else None
+        config = self.options.config(self._name, width=self.width, hierarchical=hierarchical)
+        return self.build_pipeline(config, codec, first_step=first_step, check_ranks=check_ranks)
+
+    def _new_topology(self) -> Optional[Topology]:
+        """The node groups of hierarchical reductions, where ``hierarchical`` asks for them and a
+        byte codec may run (a fixed codec, or the auto mode's choice); None otherwise. Collective
+        where it builds them; every rank decides alike, from the same options."""
+        auto = self.options.auto
+        if (auto is None or auto.compression is not None) and resolve_compression(self._codec_template).summable:
+            return None  # a plain all-reduce: no stage to split
+        return resolve_topology(self.options.hierarchical, self.comm, name=f"{self._name}.topology")
 
     def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int, check_ranks: bool) -> Pipeline:
         """A new pipeline; ``check_ranks``: run the cross-rank check of settings and tensors
@@ -126,12 +141,13 @@ class PipelineLifecycle:
         self.correction = self._new_correction()
         self.split = self._new_split()
 
-    def _switch(self, width: int, compression: Any) -> None:
+    def _switch(self, width: int, compression: Any, hierarchical: bool = False) -> None:
         """The auto mode's rebuild: the pipeline was flushed; the next one continues its step
-        count and byte counts (a fresh name per configuration keeps the collectives' names apart)."""
+        count and byte counts (a fresh name per configuration keeps the collectives' names apart).
+        ``hierarchical``: a byte codec reduces over the topology."""
         old = self.pipeline
         old.close()
-        self.width, self._codec_template = width, compression
+        self.width, self._codec_template, self.hierarchical = width, compression, hierarchical
         self._name = f"{self._name.split('.auto')[0]}.auto{old.step}"
         self.pipeline = self._new_pipeline(first_step=old.step)
         self.pipeline.stats = old.stats
@@ -249,6 +265,10 @@ class PipelineLifecycle:
             if self.auto_controller is not None:
                 self.auto_controller.comm = self.comm
         self._name = agree_pipeline_name(self.comm)  # collective: every rank of the new world is here
+        if not isinstance(self.options.hierarchical, Topology):  # the new world's hosts, on every rank alike
+            if self.topology is not None:
+                self.topology.close()
+            self.topology = self._new_topology()
         self.pipeline = self._new_pipeline()
         root = None
         if self.comm.rank == 0:
@@ -259,7 +279,11 @@ class PipelineLifecycle:
 
 
     def close_comm(self) -> None:
-        """Closes the transport if it is this optimizer's own (built by ``comm_factory``)."""
+        """Closes the transport if it is this optimizer's own (built by ``comm_factory``), and the
+        node groups built over it (not a Topology the user passed)."""
+        if self.topology is not None and not isinstance(self.options.hierarchical, Topology):
+            self.topology.close()
+            self.topology = None
         close = getattr(self.comm, "close", None)
         if self._comm_factory is not None and close is not None:
             close()

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 
 from ..auto.controller import AutoSettings
 from ..comm.base import ReduceOp
+from ..comm.topology import Topology
 from ..compression import Compression, resolve_compression
 from ..pipeline.config import PipelineConfig
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
@@ -48,6 +49,7 @@ class PipelineOptions:
     sparse_as_dense: bool = False
     auto: Optional[AutoSettings] = None
     communicator: Any = None            # a Communicator, a transport name, or None (the default)
+    hierarchical: Any = None            # None (on where it helps), True, False, "fp16", "bf16", or a Topology
 
     @classmethod
     def from_arguments(cls, *, width: Any = 2, compression: Any = Compression.none, warmup_steps: Any = 0,
@@ -57,7 +59,7 @@ class PipelineOptions:
                        backward_passes_per_step: Any = 1,
                        sparse_as_dense: Any = False, auto_measure_steps: Any = 10, auto_recheck_every: Any = 500,
                        communicator: Any = None, process_set: Any = None, hvd: Any = None,
-                       optimizer_family: Optional[str] = None) -> "PipelineOptions":
+                       optimizer_family: Optional[str] = None, hierarchical: Any = None) -> "PipelineOptions":
         """``hvd``: the Horovod module of the framework, if installed (resolves ``hvd.Average``,
         ``hvd.Sum``, ``hvd.Adasum`` and the global process set). ``optimizer_family``: the
         wrapped optimizer's (:data:`pipesgd_hvd.staleness.rule.FAMILIES`), which
@@ -74,7 +76,8 @@ class PipelineOptions:
                                                                       pipeline_auto=auto is not None),
                       dc_lambda=check_dc_lambda(dc_lambda),
                       backward_passes_per_step=check_backward_passes(backward_passes_per_step),
-                      sparse_as_dense=sparse_as_dense, auto=auto, communicator=communicator)
+                      sparse_as_dense=sparse_as_dense, auto=auto, communicator=communicator,
+                      hierarchical=check_hierarchical(hierarchical))
         check_correction_fits(options)
         options.config("psgd")                   # bad pipeline settings fail here
         resolve_compression(options.initial()[1])  # so does an unknown codec
@@ -85,15 +88,36 @@ class PipelineOptions:
         auto mode measures, unless one of them is fixed)."""
         return self.auto.initial() if self.auto is not None else (self.width, self.compression)
 
-    def config(self, name: str, width: Optional[int] = None) -> PipelineConfig:
-        """The engine's settings, named ``name``, at ``width`` (default: the initial one)."""
+    def config(self, name: str, width: Optional[int] = None, hierarchical: Optional[str] = None) -> PipelineConfig:
+        """The engine's settings, named ``name``, at ``width`` (default: the initial one);
+        ``hierarchical``: the dtype inside the node of a hierarchical pipeline (None: flat)."""
         return PipelineConfig(width=self.initial()[0] if width is None else width, warmup_steps=self.warmup_steps,
                               fusion_threshold_bytes=self.fusion_threshold_bytes, op=self.op,
                               gradient_predivide_factor=self.gradient_predivide_factor, name=name, seed=self.seed,
-                              check_replicas_every=self.check_replicas_every)
+                              check_replicas_every=self.check_replicas_every, hierarchical=hierarchical)
+
+    def node_dtype(self) -> str:
+        """What a hierarchical reduction sends inside the node: float32, or the 16-bit cast
+        ``hierarchical`` names."""
+        return _NODE_DTYPES.get(self.hierarchical, "float32") if isinstance(self.hierarchical, str) else "float32"
 
     def replace(self, **changes: Any) -> "PipelineOptions":
         return dataclasses.replace(self, **changes)
+
+
+#: ``hierarchical`` values that choose a 16-bit node stage, and that dtype.
+_NODE_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def check_hierarchical(value: Any) -> Any:
+    """``hierarchical``: None (hierarchical where each host holds several ranks and there are
+    several hosts), True (always, float32 inside the node), False (never), "fp16" / "bf16" (as
+    True, a 16-bit cast inside the node, summed in float32), or a
+    :class:`~pipesgd_hvd.comm.topology.Topology` (its groups, for a communicator of your own)."""
+    if value is None or isinstance(value, (bool, Topology)) or (isinstance(value, str) and value in _NODE_DTYPES):
+        return value
+    raise ValueError(f"hierarchical must be None (on where each host holds several ranks), True, False, 'fp16', "
+                     f"'bf16' or a pipesgd_hvd.comm.topology.Topology, got {value!r}")
 
 
 def resolve_reduce_op(op: Any, hvd: Optional[Any] = None) -> ReduceOp:

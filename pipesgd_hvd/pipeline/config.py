@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 from ..comm.base import ReduceOp
+from ..compression.hierarchical import LOCAL_DTYPES
 from .fusion import DEFAULT_FUSION_THRESHOLD
 
 
@@ -26,7 +27,9 @@ class PipelineConfig:
     """Settings of one pipeline (the same on every rank; checked at construction).
 
     ``check_replicas_every``: compare a checksum of every parameter across ranks every that many
-    steps (0: never); see :mod:`pipesgd_hvd.pipeline.guards`."""
+    steps (0: never); see :mod:`pipesgd_hvd.pipeline.guards`. ``hierarchical``: byte codecs reduce
+    in two levels (``compression/hierarchical.py``), the dtype named here inside the node
+    ("float32", "float16" or "bfloat16"); None: one flat reduction over all ranks."""
 
     width: int = 2
     warmup_steps: int = 0
@@ -36,6 +39,7 @@ class PipelineConfig:
     name: str = "psgd"
     seed: int = 0
     check_replicas_every: int = 0
+    hierarchical: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Frozen: normalised values (numpy ints -> int) are written through object.__setattr__.
@@ -56,6 +60,9 @@ class PipelineConfig:
             raise ValueError("gradient_predivide_factor is only supported with op=Average (as in Horovod)")
         if not isinstance(self.name, str):
             raise ValueError(f"name must be a str, got {self.name!r}")
+        if self.hierarchical not in (None, *LOCAL_DTYPES):
+            raise ValueError(f"hierarchical must be None or one of {', '.join(LOCAL_DTYPES)} (the dtype inside the "
+                             f"node), got {self.hierarchical!r}")
 
     def scale_factors(self) -> Tuple[float, float]:
         """(prescale, postscale) as Horovod splits an average around the sum."""
@@ -70,7 +77,7 @@ def settings_entries(config: PipelineConfig, codec_name: str) -> List[Tuple[str,
     return [("width", config.width), ("warmup_steps", config.warmup_steps), ("op", config.op.value),
             ("fusion_threshold_bytes", config.fusion_threshold_bytes),
             ("gradient_predivide_factor", config.gradient_predivide_factor), ("compression", codec_name),
-            ("check_replicas_every", config.check_replicas_every)]
+            ("check_replicas_every", config.check_replicas_every), ("hierarchical", config.hierarchical)]
 
 
 @dataclass

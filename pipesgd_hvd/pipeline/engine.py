@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..comm.base import Communicator, ReduceOp
+from ..comm.topology import Topology
 from ..compression.allreduce import Reduction, compressed_allreduce, padded_numel, reduce_bucket
+from ..compression.hierarchical import hierarchical_allreduce
 from ..compression.codecs import Codec, NoneCodec
 from ..ops.base import MutableTensorOps, Tensor
 from ..ops.seeds import Seed
@@ -79,7 +81,7 @@ class PipelineEngine:
                  codec: Codec, config: PipelineConfig = PipelineConfig(),
                  ready_order: Optional[Sequence[int]] = None,
                  device_anchors: Optional[Dict[str, Tensor]] = None, first_step: int = 0,
-                 check_ranks: bool = True) -> None:
+                 check_ranks: bool = True, topology: Optional[Topology] = None) -> None:
         """``ready_order``: spec indices in the order gradients are expected (default: reverse).
         ``device_anchors``: a tensor per device name, next to which that device's buffers go.
         ``first_step``: the index of the first step, for an engine that replaces a flushed one
@@ -89,7 +91,16 @@ class PipelineEngine:
         here, for a caller that has just run it (the optimizer core checks once per optimizer)
         or that may not issue collectives yet (a worker joining a Horovod elastic job builds its
         optimizer while the others are busy syncing, and builds the engine again, checked, once
-        every rank can take part)."""
+        every rank can take part).
+        ``topology``: the node and cross-node groups a byte codec's buckets are reduced over when
+        ``config.hierarchical`` is set (``compression/hierarchical.py``), over all of ``comm``'s ranks."""
+        if (config.hierarchical is None) != (topology is None):
+            raise ValueError("a hierarchical pipeline needs both config.hierarchical and a topology, a flat one neither")
+        if config.hierarchical is not None and codec.summable:
+            raise ValueError(f"codec {codec.name} is reduced by a plain all-reduce: it has no hierarchical form")
+        if topology is not None and topology.layout.size != comm.size:
+            raise ValueError(f"the topology holds {topology.layout.size} ranks, the communicator {comm.size}")
+        self.topology = topology
         self.specs = list(specs)
         self.ops, self.comm, self.codec, self.config = ops, comm, codec, config
         self.schedule = PipelineSchedule(config)
@@ -379,6 +390,17 @@ class PipelineEngine:
         marker = ops.ready_marker(flat)
         abort = self._abort
         comm = _AbortableComm(self.comm, abort)
+        wrap: Callable[[Communicator], Communicator] = lambda c: _AbortableComm(c, abort)  # noqa: E731
+        topology = self.topology.with_comms(wrap) if self.topology is not None else None
+
+        def reduce() -> Tuple[Tensor, int]:
+            # The padded buffer (_new_buffer) serves both: the hierarchical layout is the flat one's for N ranks.
+            if topology is not None:
+                return hierarchical_allreduce(ops, topology, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
+                                              prescale=prescale, postscale=postscale, numel=bucket.numel,
+                                              local_dtype=cfg.hierarchical)
+            return compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
+                                        prescale=prescale, postscale=postscale, numel=bucket.numel)
 
         def job() -> Tuple[Tensor, int, Any]:
             if abort.is_set():
@@ -387,8 +409,7 @@ class PipelineEngine:
                 with ops.stream_guard(flat):
                     ops.wait_marker(marker)
                     ops.record_use(flat)
-                    out, sent = compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
-                                                     prescale=prescale, postscale=postscale, numel=bucket.numel)
+                    out, sent = reduce()
                     return out, sent, ops.ready_marker(out)
             except BaseException:
                 abort.set()  # before the main thread even sees it: the next queued job must not start

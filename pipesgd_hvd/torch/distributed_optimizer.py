@@ -81,8 +81,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``psgd.Compression.fp16``, ``.bf16``, ``.int8``, ``.int4``, ...). Ours, keyword-only:
     ``width`` (or ``"auto"``), ``warmup_steps``, ``fusion_threshold_mb``, ``communicator``,
     ``grad_scaler``, ``seed``, ``check_replicas_every``, ``staleness_correction`` (and ``dc_lambda``),
-    ``auto_measure_steps``, ``auto_recheck_every``: ``docs/options.md`` describes each, and
-    ``docs/reliability.md`` every error.
+    ``auto_measure_steps``, ``auto_recheck_every``, ``hierarchical``: ``docs/options.md`` describes
+    each, and ``docs/reliability.md`` every error.
+
+    **Multi-GPU nodes.** A byte codec (``int8``, ``int4``, ``fp16``, ...) compresses only between
+    hosts where each host holds several ranks and there are several hosts (``hierarchical=None``,
+    the default): the gradient is reduce-scattered inside the host in float32, compressed across
+    hosts among the ranks of equal local rank, and gathered back, so each host's network link
+    carries ``local_size`` times fewer bytes. ``hierarchical=True``/``False`` forces it on or off;
+    ``"fp16"``/``"bf16"`` sends 16 bits inside the host.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
@@ -93,7 +100,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  communicator: Any = None, grad_scaler: Any = None, seed: int = 0,
                  check_replicas_every: Optional[int] = None, staleness_correction: Any = False,
                  dc_lambda: float = DEFAULT_DC_LAMBDA, auto_measure_steps: int = 10,
-                 auto_recheck_every: Optional[int] = 500) -> None:
+                 auto_recheck_every: Optional[int] = 500, hierarchical: Any = None) -> None:
         # Every check runs before the first collective, so a bad argument (the same on every
         # rank, as the code is) raises on every rank and no rank is left waiting.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -107,7 +114,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             dc_lambda=dc_lambda, backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
             auto_measure_steps=auto_measure_steps, auto_recheck_every=auto_recheck_every,
             communicator=communicator, process_set=process_set, hvd=_hvd,
-            optimizer_family=checks.optimizer_family(optimizer))
+            optimizer_family=checks.optimizer_family(optimizer), hierarchical=hierarchical)
         checks.check_grad_scaler(grad_scaler)
         if grad_scaler is not None and options.staleness_correction in GRADIENT_CORRECTIONS:
             # Their terms mix gradients scaled by different loss scales (g * g, local shares).

@@ -1,0 +1,159 @@
+"""``hierarchical=`` through PyTorch's DistributedOptimizer on in-process hosts: the training is
+bitwise the plain rule with the hierarchical reference's averages (no engine code in the
+reference); what each value of the argument does; errors that name the fix."""
+import threading
+
+import pytest
+import torch
+
+import pipesgd_hvd.torch as psgd
+from allreduce_reference import hierarchical_reference
+from pipesgd_hvd.comm.topology import LocalCluster, resolve_topology
+from pipesgd_hvd.ops.torch import TORCH_OPS
+from reference import loss_fn, make_batches, make_model
+
+STEPS, LR = 6, 0.1
+
+
+def train(cluster, name, hierarchical, width=2, steps=STEPS):
+    batches = make_batches(steps, cluster.size)
+    results, errors = [None] * cluster.size, []
+
+    def target(rank):
+        try:
+            model = make_model(0)
+            topo = cluster.topology(rank) if hierarchical == "topology" else hierarchical
+            opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                            named_parameters=model.named_parameters(), width=width,
+                                            compression=name, communicator=cluster.world.communicator(rank),
+                                            fusion_threshold_mb=0, hierarchical=topo)
+            for t in range(steps):
+                opt.zero_grad()
+                loss_fn(model, batches[t][rank]).backward()
+                opt.step()
+            opt.flush()
+            results[rank] = [p.detach().clone() for p in model.parameters()], opt._core.engine
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(cluster.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a collective hangs"
+    return results, batches
+
+
+def reference(name, hosts, per_host, batches, width=2, steps=STEPS):
+    """Plain SGD under the width-K rule; each step's average is hierarchical_reference's, tensor by
+    tensor (fusion_threshold_mb=0: one bucket per tensor), with error feedback by hand."""
+    model = make_model(0)
+    params = list(model.parameters())
+    residuals = [dict() if name.startswith("int") else None for _ in params]
+    pending = []
+    for t in range(steps + width - 1):
+        if t < steps:
+            per_rank = []
+            for rank in range(hosts * per_host):
+                model.zero_grad()
+                loss_fn(model, batches[t][rank]).backward()
+                per_rank.append([p.grad.detach().reshape(-1).numpy().copy() for p in params])
+            pending.append([torch.from_numpy(hierarchical_reference(
+                name, [g[i] for g in per_rank], hosts, per_host, residuals[i])).reshape(p.shape)
+                for i, p in enumerate(params)])
+        if len(pending) == width or (t >= steps and pending):
+            with torch.no_grad():
+                for p, g in zip(params, pending.pop(0)):
+                    p.add_(g, alpha=-LR)  # what torch.optim.SGD does without momentum
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (3, 2)])
+@pytest.mark.parametrize("name", ["int8", "bf16"])
+def test_training_equals_the_rule_with_the_hierarchical_averages(name, hosts, per_host):
+    cluster = LocalCluster(hosts, per_host, TORCH_OPS)
+    results, batches = train(cluster, name, "topology")
+    expected = reference(name, hosts, per_host, batches)
+    for weights, engine in results:
+        assert engine.config.hierarchical == "float32" and engine.topology is not None
+        for w, e in zip(weights, expected):
+            assert torch.equal(w, e)
+
+
+def test_width_1_applies_each_step_its_own_hierarchical_average():
+    cluster = LocalCluster(2, 2, TORCH_OPS)
+    results, batches = train(cluster, "int8", "topology", width=1)
+    expected = reference("int8", 2, 2, batches, width=1)
+    for weights, _ in results:
+        for w, e in zip(weights, expected):
+            assert torch.equal(w, e)
+
+
+def test_what_each_value_does():
+    cluster = LocalCluster(2, 2, TORCH_OPS)
+    # a plain all-reduce has no stages to split: the groups are not even used
+    (_, none_engine), *_ = train(cluster, "none", "topology", steps=2)[0]
+    assert none_engine.config.hierarchical is None and none_engine.topology is None
+    # False, and None on a communicator that cannot build groups (in-process ranks): flat
+    for choice in (False, None):
+        (_, engine), *_ = train(LocalCluster(2, 2, TORCH_OPS), "int8", choice, steps=2)[0]
+        assert engine.config.hierarchical is None and engine.topology is None
+
+
+def test_forcing_it_on_a_transport_that_cannot_build_groups_names_the_fix():
+    cluster = LocalCluster(1, 1, TORCH_OPS)  # one rank: construction's own collectives need no peer
+    for choice in (True, "bf16"):
+        model = make_model(0)
+        with pytest.raises(ValueError, match=f"hierarchical={choice!r} builds its node groups on the pipeline's own "
+                                             "channel .* not on LocalCommunicator: leave communicator= out, pass "
+                                             "hierarchical=False, or pass hierarchical=Topology"):
+            psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                      named_parameters=model.named_parameters(), compression="int8",
+                                      communicator=cluster.world.communicator(0), hierarchical=choice)
+
+
+def test_bad_values_name_the_fix():
+    comm = LocalCluster(1, 1, TORCH_OPS).world.communicator(0)
+    model = make_model(0)
+    with pytest.raises(ValueError, match="hierarchical must be None .*True, False, 'fp16', 'bf16'"):
+        psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), named_parameters=model.named_parameters(),
+                                  compression="int8", communicator=comm, hierarchical="yes")
+    with pytest.raises(ValueError, match="Topology of 2 x 2 ranks for a communicator of 1"):
+        resolve_topology(LocalCluster(2, 2, TORCH_OPS).topology(0), comm)
+
+
+@pytest.mark.parametrize("choice", [True, None])
+def test_hosts_of_different_sizes(monkeypatch, choice):
+    """Hosts a:2, b:1 (Horovod's numbers for them), on a stand-in for the channel: True raises on
+    every rank, naming the fix; None stays flat on every rank (each decides from everyone's layout)."""
+    from pipesgd_hvd.comm import topology
+    from pipesgd_hvd.comm.local import LocalWorld
+    from pipesgd_hvd.comm.topology import NodeLayout
+    from threads import run_threads
+
+    layouts = [NodeLayout(0, 2, 0, 2), NodeLayout(1, 2, 0, 1), NodeLayout(0, 1, 1, 2)]
+    monkeypatch.setattr(topology, "_is_channel", lambda comm: True)
+    monkeypatch.setattr(topology, "_horovod_layout", lambda required: layouts[threading_rank()])
+
+    ranks = {}
+
+    def threading_rank():
+        return ranks[threading.get_ident()]
+
+    def rank_fn(rank, comm):
+        ranks[threading.get_ident()] = rank
+        try:
+            return resolve_topology(choice, comm)
+        except ValueError as exc:
+            return str(exc)
+
+    results = run_threads(LocalWorld(3, TORCH_OPS), rank_fn)
+    if choice is None:
+        assert results == [None, None, None]
+    else:
+        assert all("hierarchical=True needs the same number of ranks on every host: the hosts hold different numbers "
+                   "of ranks (local sizes [1, 2], cross sizes [1, 2]); launch as many ranks on every host" in r
+                   and "or pass hierarchical=False" in r for r in results), results
