@@ -39,10 +39,24 @@ class NcclLikeWork:
 
 
 class NcclLikeGroup:
-    def __init__(self, gloo: Any, rank: int) -> None:
-        self._gloo, self.rank = gloo, rank
+    """Connects lazily, as NCCL makes its communicator at the first collective (or at
+    ``eager_connect_single_device``), blocking until every rank has joined."""
+
+    def __init__(self, connect: Any, rank: int) -> None:
+        self._connect, self._gloo_group, self.rank = connect, None, rank
         self.aborts = 0
         self.works: List[NcclLikeWork] = []
+        self._lock = threading.Lock()
+
+    @property
+    def _gloo(self) -> Any:
+        with self._lock:
+            if self._gloo_group is None:
+                self._gloo_group = self._connect()
+            return self._gloo_group
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        self._gloo  # noqa: B018 - connects
 
     def _work(self, gloo_work: Any) -> NcclLikeWork:
         work = NcclLikeWork(gloo_work)
@@ -67,7 +81,8 @@ class NcclLikeGroup:
 
     def abort(self) -> None:
         self.aborts += 1
-        self._gloo.abort()
+        if self._gloo_group is not None:
+            self._gloo_group.abort()
 
 
 class NcclLikeFactory:
@@ -85,7 +100,7 @@ class NcclLikeFactory:
         # Later than PIPESGD_TIMEOUT, as the real factory's (watchdog_timeout), but by a short
         # margin, so that a transfer left waiting ends within the test.
         opts._timeout = watchdog_timeout(None) if timeout is None else datetime.timedelta(seconds=timeout + self.margin)
-        group = NcclLikeGroup(dist.ProcessGroupGloo(store, rank, size, opts), rank)
+        group = NcclLikeGroup(lambda: dist.ProcessGroupGloo(store, rank, size, opts), rank)
         with self._lock:
             self.made.append((rank, threading.get_ident(), group))
         return group

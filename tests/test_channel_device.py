@@ -123,6 +123,30 @@ def test_a_silent_peer_gives_peer_lost_error_within_the_timeout_on_every_survivo
         assert group.aborts == 1  # once, however many waits fail afterwards
 
 
+def test_a_peer_that_has_not_joined_the_device_group_gives_peer_lost_error_within_the_timeout():
+    """NCCL makes its communicator at the first device collective and blocks there, without a
+    timeout, until every rank has joined (the stand-in blocks too: Gloo's own bound is 11.5 s
+    here). Rank 1 comes 3 s late; rank 0 must give up at PIPESGD_TIMEOUT (1.5 s)."""
+    ops, factory = device_ops(2), NcclLikeFactory(margin=10.0)
+
+    def body(rank, comm):
+        x = torch.full((2, 64), float(rank))
+        if rank == 1:
+            time.sleep(3.0)
+            with pytest.raises(PeerLostError):  # rank 0 has given up on this collective
+                comm.alltoall_async(x, "a2a.0").wait()
+            return None
+        started = time.monotonic()
+        with pytest.raises(PeerLostError, match="alltoall 'a2a.0' on the pipeline channel did not complete within "
+                                               "1.5 s .PIPESGD_TIMEOUT."):
+            comm.alltoall_async(x, "a2a.0").wait()
+        return time.monotonic() - started
+
+    results, errors, _ = run_ranks(2, body, ops=ops, factory=factory, channel_timeout=1.5)
+    assert not errors, errors
+    assert 1.4 <= results[0] <= 2.9, results
+
+
 def test_an_nccl_error_is_peer_lost_error_at_once_and_aborts_the_group():
     """A peer's process dies mid-collective: NCCL records an error on the survivor's work (here
     injected while the survivor waits), which must be raised as PeerLostError long before the

@@ -19,6 +19,11 @@ So a :class:`DeviceWork`'s ``wait()``:
   (``ProcessGroupNCCL.abort()``: the watchdog stops checking, in-flight kernels end) and raises
   ``RuntimeError("Timed out ...")`` or the error, which the channel turns into ``PeerLostError``.
 
+NCCL makes its communicator at the group's first collective and, by default, blocks there until
+every rank has joined, with no timeout. So before its first collective the group is connected
+(``eager_connect_single_device``) on a helper thread that the issuing thread waits for up to
+``PIPESGD_TIMEOUT``: a peer that never joins gives ``RuntimeError("Timed out ...")`` too.
+
 The NCCL group is made with a longer timeout than ``PIPESGD_TIMEOUT`` (:func:`watchdog_timeout`),
 so that this wait, not the watchdog, is what notices a silent peer. An NCCL *error* (a peer's
 process died, a broken link) is seen by the watchdog too; with the default error handling it
@@ -71,22 +76,50 @@ class DeviceGroup:
     def __init__(self, group: Any, timeout: Optional[float]) -> None:
         self._group, self._timeout = group, timeout
         self._abort_lock = threading.Lock()
+        self._connected = False
         self.aborted: Optional[str] = None  # why the group was aborted, once it was
 
     # The ProcessGroup methods the channel's device branch calls.
     def allreduce(self, tensors: List[Any], opts: Any) -> "DeviceWork":
-        return self._issued(lambda: self._group.allreduce(tensors, opts))
+        return self._issued(tensors[0], lambda: self._group.allreduce(tensors, opts))
 
     def alltoall_base(self, out: Any, x: Any, out_splits: List[int], in_splits: List[int], opts: Any) -> "DeviceWork":
-        return self._issued(lambda: self._group.alltoall_base(out, x, out_splits, in_splits, opts))
+        return self._issued(x, lambda: self._group.alltoall_base(out, x, out_splits, in_splits, opts))
 
     def _allgather_base(self, out: Any, x: Any) -> "DeviceWork":
-        return self._issued(lambda: self._group._allgather_base(out, x))
+        return self._issued(x, lambda: self._group._allgather_base(out, x))
 
-    def _issued(self, post: Callable[[], Any]) -> "DeviceWork":
+    def _issued(self, x: Any, post: Callable[[], Any]) -> "DeviceWork":
         if self.aborted is not None:
             raise RuntimeError(f"the pipeline channel's device group was aborted ({self.aborted})")
+        if not self._connected:
+            self._connect(x.device)
         return DeviceWork(post(), self)
+
+    def _connect(self, device: Any) -> None:
+        """Makes the communicator now, bounded by the timeout (module docstring)."""
+        connect = getattr(self._group, "eager_connect_single_device", None)
+        if connect is None:  # a group that connects at its first collective, bounded by itself
+            self._connected = True
+            return
+        done, failed = threading.Event(), []
+
+        def run() -> None:
+            try:
+                connect(device)
+            except BaseException as exc:  # noqa: BLE001 - raised on the issuing thread below
+                failed.append(exc)
+            done.set()
+
+        started = time.monotonic()
+        threading.Thread(target=run, name="pipesgd-device-connect", daemon=True).start()
+        if not done.wait(self._timeout):
+            self.abort("making its communicator timed out")
+            raise RuntimeError(f"Timed out after {time.monotonic() - started:.1f} s making the device group's "
+                               "communicator: a peer did not join")
+        if failed:
+            raise RuntimeError(f"the device group's communicator could not be made: {failed[0]}")
+        self._connected = True
 
     def abort(self, reason: str = "closed") -> None:
         """Aborts the group once (later calls do nothing): its in-flight collectives end, and
