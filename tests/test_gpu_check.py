@@ -40,3 +40,15 @@ def test_cuda_requested_without_a_gpu_fails_with_the_reason():
     if "torch.cuda.is_available() is False" not in proc.stdout:
         pytest.skip("a GPU is present: gpu_check.py --device cuda is the real run, not a test")
     assert proc.returncode == 1
+
+
+def test_gpu_install_names_the_cuda_code_the_package_loads():
+    """docs/gpu_install.md once said that nothing in the package builds or loads CUDA code; the
+    Triton kernels are CUDA code it compiles and loads. Every module that imports triton must be
+    named there."""
+    text = (ROOT / "docs" / "gpu_install.md").read_text()
+    assert "Nothing in the package builds or loads CUDA code" not in text
+    loaders = [p for p in (ROOT / "pipesgd_hvd").rglob("*.py") if "\nimport triton" in p.read_text()]
+    assert loaders, "no module imports triton: this test looks for the wrong thing"
+    for module in loaders:
+        assert str(module.relative_to(ROOT)) in text, module

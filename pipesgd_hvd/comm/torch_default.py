@@ -47,7 +47,8 @@ def _shared_torch_distributed() -> Communicator:
     from .ordered import shared_communicator
     from .torch_distributed import TorchDistributedCommunicator
 
-    key = ("torch.distributed", id(dist.group.WORLD), dist.get_rank(), dist.get_world_size())
+    # The default group itself, not its id: a group made after destroy_process_group() may reuse an id.
+    key = ("torch.distributed", dist.group.WORLD, dist.get_rank(), dist.get_world_size())
     return shared_communicator(key, TorchDistributedCommunicator, TORCH_OPS)
 
 
