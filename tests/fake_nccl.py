@@ -8,7 +8,7 @@ recorded (``inject_error``: what NCCL records when a peer dies). Its own timeout
 ``PIPESGD_TIMEOUT``, as the real factory's. ``abort()`` is recorded.
 
 What it cannot copy: NCCL's kernels, streams and its watchdog ending the process; those are the
-GPU check's (benchmarks/gpu_check_channel.py).
+GPU check's (tools/gpu_check_channel.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ blocks nor raises for a transfer in flight. Ranks are threads, each with its own
 TCPStore over loopback, wrapped as the process's shared communicator (comm/ordered.py), so every
 collective is issued by the channel's one issue thread.
 
-What only a GPU can show (NCCL's kernels, streams, its watchdog) is benchmarks/gpu_check_channel.py.
+What only a GPU can show (NCCL's kernels, streams, its watchdog) is tools/gpu_check_channel.py.
 """
 import datetime
 import threading

@@ -23,7 +23,7 @@ Sections (each check prints PASS/FAIL/SKIP; the exit status is 1 if any check fa
 (e) two ranks through torch.distributed Gloo (spawned processes; on CUDA both on cuda:0): every
     codec, the loss falls, replicas bitwise equal; the auto mode decides.
 (f) Horovod with NCCL, if it is importable and built with NCCL (else a printed skip).
-(g) the pipeline's own device path in a world of one: benchmarks/gpu_check_channel.py.
+(g) the pipeline's own device path in a world of one: tools/gpu_check_channel.py.
 """
 from __future__ import annotations
 

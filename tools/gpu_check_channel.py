@@ -17,7 +17,7 @@ NCCL's works waited by their status) behind the shared communicator's issue thre
 (g.4) ``g.ef-kernels``: encode (with error feedback) and decode of int8 and int4, each against its
       byte-count ceiling (the bytes it must move at the copy bandwidth); target 85% of it.
 (g.5) ``g.keras-codecs``: the Keras codecs on TensorFlow's GPU, bits and speed
-      (benchmarks/gpu_check_keras.py; skipped where TensorFlow sees no GPU).
+      (tools/gpu_check_keras.py; skipped where TensorFlow sees no GPU).
 
 ``--device cpu`` runs (g.1) with a Gloo group in place of NCCL and a busy compute thread in place
 of the side stream, (g.3) and (g.4) as figures only (the bounds are for an idle GPU); (g.2) is
@@ -46,7 +46,7 @@ from pipesgd_hvd.comm.ordered import OrderedCommunicator
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.ops.torch import TORCH_OPS
 
-from benchmarks.gpu_check_keras import keras_codecs
+from tools.gpu_check_keras import keras_codecs
 
 TIMEOUT = 60.0
 TARGET_OF_CEILING = 0.85   # issue 34: the error-feedback kernels' goal, as a share of their ceiling

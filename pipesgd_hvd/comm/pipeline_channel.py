@@ -162,7 +162,8 @@ class PipelineChannel:
         # Checks get a group of their own: they run while reductions are in flight, and a rank
         # that is missing one of those (fewer step() calls) must still answer the check.
         self._checks = _gloo_group(dist.PrefixStore(f"{prefix}/checks", store), rank, size, address, self._timeout)
-        self._device_of = (ops if ops is not None else TORCH_OPS).streams.cuda.device_of
+        self._ops = ops if ops is not None else TORCH_OPS
+        self._device_of = self._ops.streams.cuda.device_of
         self._device_factory = device_group
         self._nccl: Optional[DeviceGroup] = None
         self._closed = False

@@ -1,4 +1,4 @@
-"""Check (g.5) of benchmarks/gpu_check.py: the Keras codecs on a GPU, measured (issue 34).
+"""Check (g.5) of tools/gpu_check.py: the Keras codecs on a GPU, measured (issue 34).
 
 On a GPU, TensorFlow runs a byte codec as its tensor-op composition (``TensorFlowOps.kernel_device``
 names no kernels for GPU tensors: a ``numpy_function`` would copy them to the host): about ten
