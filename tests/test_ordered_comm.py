@@ -7,6 +7,7 @@ ranks fail there; the skew below makes that order differ unless one thread issue
 """
 import datetime
 import socket
+import threading
 import time
 
 import torch
@@ -140,3 +141,39 @@ def test_every_optimizer_of_a_process_uses_the_one_communicator_and_exit_keeps_i
         comm.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_node_groups_are_built_on_the_shared_channel(monkeypatch):
+    """The hierarchical reduction's node groups (comm/topology.py) are sub-channels of the
+    pipeline channel; the optimizer now holds the channel inside the shared communicator, and
+    hierarchical=True must still find it (it raised 'not on OrderedCommunicator')."""
+    from pipesgd_hvd.comm import topology
+    from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
+    from pipesgd_hvd.comm.topology import NodeLayout, resolve_topology
+
+    ranks = {}
+    monkeypatch.setattr(topology, "_horovod_layout", lambda required: NodeLayout(ranks[threading.get_ident()], 2, 0, 1))
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    stores = [server, dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))]
+    results, errors = [None, None], []
+
+    def rank_fn(rank):
+        ranks[threading.get_ident()] = rank
+        comm = OrderedCommunicator(PipelineChannel(stores[rank], rank, 2, address="127.0.0.1", timeout=30.0), TORCH_OPS)
+        try:
+            groups = resolve_topology(True, comm, name="t.topology")
+            results[rank] = (type(groups.local).__name__, groups.local.size, groups.cross.size,
+                             groups.local.allgather_async(torch.full((1, 3), float(rank)), "t.ag").wait()[:, 0].tolist())
+            groups.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            comm.close()
+
+    threads = [threading.Thread(target=rank_fn, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert results == [("PipelineChannel", 2, 1, [0.0, 1.0])] * 2
