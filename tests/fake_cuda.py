@@ -1,7 +1,7 @@
 """A fake CUDA table (pipesgd_hvd/ops/torch_cuda.py's ``CudaTable``) for CPU-only machines.
 
 Every tensor is reported on ``cuda:<default>`` (or on the device given for its storage with
-:meth:`FakeCuda.place`), streams and events are plain objects, and every call that matters for the
+:meth:`FakeCuda.place`, or on the host when the ``host`` predicate says so), streams and events are plain objects, and every call that matters for the
 stream rules is logged: which streams were made on which device by which thread, which device
 and stream were current, which event each stream waited for, and which tensor was recorded on
 which stream.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -53,8 +53,10 @@ class FakeEvent:
 
 
 class FakeCuda:
-    def __init__(self, default: int = 1, elapsed_ms: float = 1.5) -> None:
+    def __init__(self, default: int = 1, elapsed_ms: float = 1.5,
+                 host: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
         self.default = torch.device("cuda", default)
+        self._host = host  # which tensors stay host tensors (the engine's membership flags, say)
         self.elapsed_ms = elapsed_ms
         self.events: List[Tuple[Any, ...]] = []
         self.streams: List[Tuple[int, FakeStream]] = []   # (thread ident, stream) as made
@@ -80,7 +82,10 @@ class FakeCuda:
 
     # -------------------------------------------------------------------------- the table
     def device_of(self, x: torch.Tensor) -> Optional[torch.device]:
-        return self._placed.get(x.untyped_storage().data_ptr(), self.default)
+        placed = self._placed.get(x.untyped_storage().data_ptr())
+        if placed is None and self._host is not None and self._host(x):
+            return None
+        return placed or self.default
 
     def active(self) -> bool:
         return True

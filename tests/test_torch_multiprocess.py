@@ -66,4 +66,14 @@ def test_compressed_allreduce_and_training_on_two_ranks(controller):
 @pytest.mark.parametrize("compression", ["none", "int8"])
 def test_torchrun_without_horovod(compression):
     out = run_torchrun("mp/torchrun_pipeline.py", compression)
-    assert f"PASS rank0 torchrun-{compression}" in out and f"PASS rank1 torchrun-{compression}" in out
+    assert f"PASS rank0 torchrun-{compression}-gloo" in out and f"PASS rank1 torchrun-{compression}-gloo" in out
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_torchrun_with_a_device_only_default_group(compression):
+    """torchrun + NCCL (issue 34): ``cuda:gloo`` gives the default group no host backend, as
+    ``init_process_group("nccl")`` does; the membership flags and host gradients must still be
+    reduced (they went to a group of the default backend: "No backend type associated with
+    device type cpu" at the first step)."""
+    out = run_torchrun("mp/torchrun_pipeline.py", compression, "cuda:gloo")
+    assert all(f"PASS rank{r} torchrun-{compression}-cuda:gloo" in out for r in (0, 1)), out

@@ -23,6 +23,7 @@ Sections (each check prints PASS/FAIL/SKIP; the exit status is 1 if any check fa
 (e) two ranks through torch.distributed Gloo (spawned processes; on CUDA both on cuda:0): every
     codec, the loss falls, replicas bitwise equal; the auto mode decides.
 (f) Horovod with NCCL, if it is importable and built with NCCL (else a printed skip).
+(g) the pipeline's own device path in a world of one: tools/gpu_check_channel.py.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 
 import pipesgd_hvd.torch as psgd  # noqa: E402
+from tools.gpu_check_channel import section_g  # noqa: E402
 from tools.gpu_check_ranks import CODECS, batch, digest, make_model, train  # noqa: E402
 from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.compression import Compression, Quantize, resolve_compression  # noqa: E402
@@ -515,7 +517,8 @@ def main() -> int:
                       ("c", lambda: section_c(report, device, churn_size=2048 if big else 96)),
                       ("d", lambda: section_d(report, device)),
                       ("e", lambda: section_e(report, device)),
-                      ("f", lambda: section_f(report, device))):
+                      ("f", lambda: section_f(report, device)),
+                      ("g", lambda: section_g(report, device, copy_gbs, timed))):
         try:
             run()
         except Exception:  # noqa: BLE001 - reported, and the exit status says FAILED

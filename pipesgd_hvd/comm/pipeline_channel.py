@@ -14,10 +14,12 @@ receives are posted before sends (:meth:`PipelineChannel._exchange` says why).
 
 What it is: a ``ProcessGroupGloo`` (CPU tensors) and a second one for the consistency checks,
 built directly on a ``TCPStore`` that rank 0 serves, never through ``init_process_group``: the
-user's default process group, if any, is not touched. CUDA tensors go through a
-``ProcessGroupNCCL`` made from the same store on first use (the channel's collectives are issued in
-the same order on every rank, so its creation is too). Collectives are matched by issue order
-within each group, as in MPI: names only label errors.
+user's default process group, if any, is not touched. Device (CUDA) tensors, as the tensor-op
+table names them (``ops``), go through a device group (``ProcessGroupNCCL``; injectable) made from
+the same store at the first device collective, by the thread that issues it: its creation is at
+the same point of the issue order on every rank. Its works wait and fail as Gloo's do
+(:mod:`.device_group`). Collectives are matched by issue order within each group, as in MPI:
+names only label errors.
 
 Building it is collective (:meth:`PipelineChannel.from_horovod`): every rank calls it at the
 same point of the program, from the training thread (one ``hvd.broadcast_object`` carries the
@@ -25,9 +27,9 @@ store's address). For Horovod elastic, :meth:`close` the old channel at a reset 
 one in the new world, from the training thread at the point where every rank (new workers too)
 rebuilds its engine: a new store on the new rank 0.
 
-One thread at a time issues the tensor collectives of a channel (the engine's comm thread for
-byte codecs, the training thread for plain all-reduces): the groups match transfers by issue
-order, so two engines must never share a channel.
+One thread issues the tensor collectives of a channel: the groups match transfers by issue
+order. :mod:`.ordered` gives the process one channel, shared by every optimizer, whose
+collectives all go through one issue thread in the order they were submitted.
 """
 from __future__ import annotations
 
@@ -38,8 +40,10 @@ from typing import Any, Callable, List, Optional, Sequence, Type
 import torch
 import torch.distributed as dist
 
+from ..ops.torch import TORCH_OPS, TorchOps
 from .addresses import channel_address
 from .base import TIMEOUT_CAUSES, DoneHandle, PeerLostError, ReduceOp, default_timeout, postscale_factor
+from .device_group import DeviceGroup, GroupFactory, nccl_group
 
 # PIPESGD_TIMEOUT=0 means "no limit"; Gloo and the store need a number: ten years.
 _FOREVER = datetime.timedelta(days=3650)
@@ -85,12 +89,13 @@ class _WorkHandle:
         Horovod elastic reset does); while they stay open, a live peer's receive from this rank
         waits until PIPESGD_TIMEOUT instead of failing at once when this rank closes the channel
         (tests/test_pipeline_channel_local.py: the peer waited until this process ended, 30 s;
-        with the transfers dropped, 0.7 s)."""
+        with the transfers dropped, 0.7 s). A device group's works block and raise the same way
+        (.device_group.DeviceWork: NCCL's own wait() does neither)."""
         failure: Optional[str] = None
         try:
             for work in self._works:
                 work.wait()
-        except RuntimeError as exc:  # Gloo: "Connection reset by peer", "Timed out waiting ..."
+        except RuntimeError as exc:  # Gloo: "Connection reset by peer", "Timed out waiting ..."; device: .device_group
             text = str(exc).strip()
             failure = text.splitlines()[0] if text else type(exc).__name__
         if failure is not None:
@@ -141,9 +146,12 @@ class PipelineChannel:
     Construction is collective. Use :meth:`from_horovod` under Horovod."""
 
     def __init__(self, store: Any, rank: int, size: int, *, address: str, timeout: Optional[float] = None,
-                 prefix: str = "psgd.channel", error: Type[PeerLostError] = PeerLostError) -> None:
+                 prefix: str = "psgd.channel", error: Type[PeerLostError] = PeerLostError,
+                 ops: Optional[TorchOps] = None, device_group: GroupFactory = nccl_group) -> None:
         """``error``: the PeerLostError subclass a failure raises (under Horovod, one that is also
-        a HorovodInternalError, so that ``hvd.elastic.run`` resets on it)."""
+        a HorovodInternalError, so that ``hvd.elastic.run`` resets on it). ``ops``: the tensor-op
+        table that names a tensor's device (tests pass one with a fake CUDA table);
+        ``device_group``: makes the group for device tensors (tests pass a Gloo stand-in)."""
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         self._rank, self._size, self._address = rank, size, address
@@ -154,7 +162,10 @@ class PipelineChannel:
         # Checks get a group of their own: they run while reductions are in flight, and a rank
         # that is missing one of those (fewer step() calls) must still answer the check.
         self._checks = _gloo_group(dist.PrefixStore(f"{prefix}/checks", store), rank, size, address, self._timeout)
-        self._nccl: Any = None
+        self._ops = ops if ops is not None else TORCH_OPS
+        self._device_of = self._ops.streams.cuda.device_of
+        self._device_factory = device_group
+        self._nccl: Optional[DeviceGroup] = None
         self._closed = False
         self._error = error
 
@@ -226,22 +237,20 @@ class PipelineChannel:
     def _group(self, x: torch.Tensor) -> Any:
         if self._closed:
             raise RuntimeError("the pipeline channel was closed")
-        if x.device.type == "cpu":
+        if self._device_of(x) is None:
+            if x.device.type != "cpu":
+                raise ValueError(f"the pipeline channel reduces CPU or CUDA tensors, got one on {x.device}")
             return self._tensors
-        if x.device.type != "cuda":
-            raise ValueError(f"the pipeline channel reduces CPU or CUDA tensors, got one on {x.device}")
         if self._nccl is None:
             self._nccl = self._nccl_group()
         return self._nccl
 
-    def _nccl_group(self) -> Any:
-        # Not yet run on a GPU (this project's CI has none): same store, its own prefix.
-        if not dist.is_nccl_available():
-            raise RuntimeError("CUDA tensors need a PyTorch built with NCCL for the pipeline channel")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _limit(self._timeout)
-        return dist.ProcessGroupNCCL(dist.PrefixStore(f"{self._prefix}/nccl", self._store), self._rank,
-                                     self._size, opts)
+    def _nccl_group(self) -> DeviceGroup:
+        # Made once, by the thread issuing the first device collective (the issue thread,
+        # .ordered), at the same point of the issue order on every rank: same store, own prefix.
+        group = self._device_factory(dist.PrefixStore(f"{self._prefix}/nccl", self._store), self._rank, self._size,
+                                     self._timeout)
+        return DeviceGroup(group, self._timeout)
 
     # ------------------------------------------------------------------------ collectives
     def allreduce_async_(self, x: torch.Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
@@ -256,7 +265,7 @@ class PipelineChannel:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         # Gloo's ring all-reduce sends in chunks and kept pace with a plain TCP exchange (docs/transports.md).
-        work = self._group(x).allreduce([x], opts)
+        work = _post(self._group(x).allreduce, [x], opts)
         return _WorkHandle([work], lambda: x.mul_(after) if after != 1.0 else x, f"allreduce '{name}'",
                            error=self._error, timeout=self._timeout)
 
@@ -269,8 +278,8 @@ class PipelineChannel:
             return DoneHandle(x.clone())
         out = torch.empty_like(x)
         group = self._group(x)
-        if x.device.type != "cpu":
-            works = [group.alltoall_base(out, x, [], [], dist.AllToAllOptions())]
+        if group is not self._tensors:
+            works = [_post(group.alltoall_base, out, x, [], [], dist.AllToAllOptions())]
         else:
             out[self._rank] = x[self._rank]
             works = self._exchange(group, [(p, x[p], out[p]) for p in self._peers()])
@@ -283,8 +292,8 @@ class PipelineChannel:
         rows = x.shape[0]
         out = x.new_empty((self._size * rows,) + tuple(x.shape[1:]))
         group = self._group(x)
-        if x.device.type != "cpu":
-            works = [group._allgather_base(out, x)]
+        if group is not self._tensors:
+            works = [_post(group._allgather_base, out, x)]
         else:
             out[self._rank * rows:(self._rank + 1) * rows] = x
             works = self._exchange(group, [(p, x, out[p * rows:(p + 1) * rows]) for p in self._peers()])

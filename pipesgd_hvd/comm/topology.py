@@ -105,7 +105,8 @@ def _sub_channel(parent: Any, rank: int, size: int, label: str) -> Any:
     from .pipeline_channel import PipelineChannel
 
     return PipelineChannel(parent._store, rank, size, address=parent.address, timeout=parent._timeout,
-                           prefix=f"{parent._prefix}/{label}", error=parent._error)
+                           prefix=f"{parent._prefix}/{label}", error=parent._error, ops=parent._ops,
+                           device_group=parent._device_factory)
 
 
 def channel_topology(channel: Any, layout: NodeLayout) -> Topology:
@@ -187,14 +188,19 @@ def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topol
         return None
     if not required and not layout.worth_it:
         return None
-    return channel_topology(comm, layout)
+    return channel_topology(_channel(comm), layout)
+
+
+def _channel(comm: Communicator) -> Any:
+    """The channel itself, also when it is the process's shared one (comm/ordered.py wraps it)."""
+    return getattr(comm, "inner", comm)
 
 
 def _is_channel(comm: Communicator) -> bool:
     """Whether ``comm`` is the pipeline's channel, without importing it (and PyTorch) into a
     process that never built one (Keras)."""
     module = sys.modules.get("pipesgd_hvd.comm.pipeline_channel")
-    return module is not None and isinstance(comm, module.PipelineChannel)
+    return module is not None and isinstance(_channel(comm), module.PipelineChannel)
 
 
 def _horovod_layout(required: Any) -> Optional[NodeLayout]:

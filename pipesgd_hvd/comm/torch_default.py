@@ -6,6 +6,9 @@ advances, so the pipeline's collectives, issued at moments that depend on thread
 not be Horovod's ops (the user's unnamed ``hvd.allreduce(metric)`` would get different names on
 different ranks and hang); the channel also moves the compressed phases at wire speed where
 Horovod's alltoall/allgather reach about half (docs/transports.md).
+
+The channel, and torch.distributed's communicator under torchrun, are one per process, shared by
+every optimizer, with every tensor collective issued by one thread (:mod:`.ordered` says why).
 """
 from __future__ import annotations
 
@@ -26,6 +29,29 @@ def _horovod_initialized() -> bool:
     return bool(hvd.is_initialized())
 
 
+def _shared_channel() -> Communicator:
+    """The process's pipeline channel for Horovod's current world (collective when it is built)."""
+    import horovod.torch as hvd
+
+    from ..ops.torch import TORCH_OPS
+    from .ordered import shared_communicator
+    from .pipeline_channel import PipelineChannel
+
+    return shared_communicator(("channel", hvd.rank(), hvd.size()), PipelineChannel.from_horovod, TORCH_OPS)
+
+
+def _shared_torch_distributed() -> Communicator:
+    import torch.distributed as dist
+
+    from ..ops.torch import TORCH_OPS
+    from .ordered import shared_communicator
+    from .torch_distributed import TorchDistributedCommunicator
+
+    # The default group itself, not its id: a group made after destroy_process_group() may reuse an id.
+    key = ("torch.distributed", dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    return shared_communicator(key, TorchDistributedCommunicator, TORCH_OPS)
+
+
 def default_communicator(name: Optional[str] = None, *, collective: bool = True) -> Tuple[Communicator, Optional[CommFactory]]:
     """The transport named ``name`` (or ``PIPESGD_COMMUNICATOR``): "channel" (the default under
     Horovod), "horovod" (Horovod's own ops), "mpi4py", "torch.distributed" (the default without
@@ -34,6 +60,9 @@ def default_communicator(name: Optional[str] = None, *, collective: bool = True)
     ``collective=False``: issue no collective now (a worker joining a Horovod elastic job): the
     channel is then built by the factory, at the elastic sync, and Horovod's ops serve until then."""
     name = name or os.environ.get("PIPESGD_COMMUNICATOR") or None
+    from .ordered import close_at_exit
+
+    close_at_exit()  # before the optimizer registers its own exit handler (ordered.py says why)
     if name is not None and name not in TRANSPORTS:
         raise ValueError(f"unknown communicator {name!r}: use 'channel', 'horovod', 'mpi4py' or 'torch.distributed'")
     if name == "mpi4py":
@@ -43,19 +72,16 @@ def default_communicator(name: Optional[str] = None, *, collective: bool = True)
         return Mpi4pyCommunicator(TORCH_OPS), None
     if name in (None, "channel", "horovod") and _horovod_initialized():
         from .horovod_torch import HorovodTorchCommunicator
-        from .pipeline_channel import PipelineChannel
 
         if name == "horovod":
             return HorovodTorchCommunicator(), None
         if not collective:
-            return HorovodTorchCommunicator(), PipelineChannel.from_horovod
-        return PipelineChannel.from_horovod(), PipelineChannel.from_horovod
+            return HorovodTorchCommunicator(), _shared_channel
+        return _shared_channel(), _shared_channel
     if name in (None, "torch.distributed"):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            from .torch_distributed import TorchDistributedCommunicator
-
-            return TorchDistributedCommunicator(), None
+            return _shared_torch_distributed(), None
     raise RuntimeError("no communicator is ready: call hvd.init() (or torch.distributed.init_process_group()) "
                        "before creating DistributedOptimizer")

@@ -1,4 +1,11 @@
-"""torch.distributed (Gloo on CPU, NCCL on GPU): the fallback when Horovod is absent (torchrun)."""
+"""torch.distributed (Gloo on CPU, NCCL on GPU): the fallback when Horovod is absent (torchrun).
+
+Host tensors (the membership flags, a CPU model) always go to a Gloo group of our own, device
+tensors to a group on the default backend: under ``init_process_group("nccl")`` a group of the
+default backend is NCCL-only and refuses host tensors ("No backend type associated with device
+type cpu"). Which tensors are device tensors, the tensor-op table says (``ops``; tests fake it).
+The device group's own timeout is ``PIPESGD_TIMEOUT`` plus a margin, so that the polled wait
+raises ``PeerLostError`` before PyTorch's NCCL watchdog ends the process (.device_group)."""
 from __future__ import annotations
 
 import datetime
@@ -7,7 +14,9 @@ from typing import Any, Callable, List, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..ops.torch import TORCH_OPS, TorchOps
 from .base import TIMEOUT_CAUSES, PeerLostError, PolledHandle, ReduceOp, default_timeout, postscale_factor
+from .device_group import watchdog_timeout
 
 T = TypeVar("T")
 
@@ -26,20 +35,26 @@ class TorchDistributedCommunicator:
     """Requires ``torch.distributed.init_process_group`` first (torchrun does the rest).
     Constructing it is collective: every rank must construct it, in the same order."""
 
-    def __init__(self, group: Optional[Any] = None, timeout: Optional[float] = None) -> None:
+    def __init__(self, group: Optional[Any] = None, timeout: Optional[float] = None,
+                 ops: Optional[TorchOps] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "torch.distributed.init_process_group() first (or use Horovod)")
-        # Our own group (created collectively, like the optimizer itself): Gloo pairs collectives
+        self._timeout = timeout if timeout is not None else default_timeout()
+        self._device_of = (ops if ops is not None else TORCH_OPS).streams.cuda.device_of
+        # Our own groups (created collectively, like the optimizer itself): they pair collectives
         # by issue order, and a user's metric all_reduce on the default group, issued while a
         # pipelined reduction is in flight on our comm thread, must not interleave with it.
-        self._group = group if group is not None else dist.new_group()
-        self._timeout = timeout if timeout is not None else default_timeout()
-        # Checks get a group of their own (they run while reductions are in flight, and a rank
-        # missing one of those must still answer the check), bounded by the same timeout.
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         limit = datetime.timedelta(seconds=self._timeout if self._timeout is not None else 10 * 365 * 86400)
-        self._check_group = dist.new_group(ranks=ranks, timeout=limit)
+        self._group = group if group is not None else dist.new_group(ranks=ranks, timeout=watchdog_timeout(self._timeout))
+        self._host_group = dist.new_group(ranks=ranks, timeout=limit, backend="gloo")
+        # Checks get a group of their own (they run while reductions are in flight, and a rank
+        # missing one of those must still answer the check), bounded by the same timeout.
+        self._check_group = dist.new_group(ranks=ranks, timeout=limit, backend="gloo")
+
+    def _group_for(self, x: torch.Tensor) -> Any:
+        return self._host_group if self._device_of(x) is None else self._group
 
     @property
     def rank(self) -> int:
@@ -56,7 +71,7 @@ class TorchDistributedCommunicator:
                          prescale: float = 1.0, postscale: float = 1.0) -> PolledHandle:
         if prescale != 1.0:
             x.mul_(prescale)
-        work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._group_for(x), async_op=True)
         after = postscale_factor(op, postscale, self.size)
 
         def finish() -> torch.Tensor:
@@ -68,13 +83,13 @@ class TorchDistributedCommunicator:
     def alltoall_async(self, x: torch.Tensor, name: str) -> PolledHandle:
         x = x.contiguous()
         out = torch.empty_like(x)
-        work = dist.all_to_all_single(out, x, group=self._group, async_op=True)
+        work = dist.all_to_all_single(out, x, group=self._group_for(x), async_op=True)
         return self._polled(work, lambda: (work.wait(), out)[1], f"alltoall '{name}'")
 
     def allgather_async(self, x: torch.Tensor, name: str) -> PolledHandle:
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
-        work = dist.all_gather_into_tensor(out, x, group=self._group, async_op=True)
+        work = dist.all_gather_into_tensor(out, x, group=self._group_for(x), async_op=True)
         return self._polled(work, lambda: (work.wait(), out)[1], f"allgather '{name}'")
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:

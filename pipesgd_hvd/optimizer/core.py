@@ -457,4 +457,4 @@ class OptimizerCore(PipelineLifecycle):
             # handler: Horovod registered its handler earlier) must not keep the process alive.
             exit_if_stuck(f"the pipeline stopped at {type(engine.failure).__name__}")
         engine.close()
-        self.close_comm()
+        self.close_comm(at_exit=True)

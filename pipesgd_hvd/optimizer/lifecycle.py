@@ -278,12 +278,16 @@ class PipelineLifecycle:
         self.pipeline.load_state_dict(entry)
 
 
-    def close_comm(self) -> None:
+    def close_comm(self, at_exit: bool = False) -> None:
         """Closes the transport if it is this optimizer's own (built by ``comm_factory``), and the
-        node groups built over it (not a Topology the user passed)."""
+        node groups built over it (not a Topology the user passed). ``at_exit``: one optimizer
+        finishing; a shared transport (``closes_at_exit``) stays open for the others' exit
+        handlers and is closed after them (comm/ordered.py); this optimizer's node groups close."""
         if self.topology is not None and not isinstance(self.options.hierarchical, Topology):
             self.topology.close()
             self.topology = None
+        if at_exit and getattr(self.comm, "closes_at_exit", False):
+            return
         close = getattr(self.comm, "close", None)
         if self._comm_factory is not None and close is not None:
             close()

@@ -113,6 +113,10 @@ class PipelineEngine:
         self._next_launch = 0
         self._step = integer("first_step", first_step, 0)
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # A shared communicator's one issue thread (comm/ordered.py), if it has one: this engine's
+        # comm jobs then queue there, behind every other optimizer's, in submission order.
+        self._issue_thread: Any = getattr(comm, "issue_thread", None)
+        self._jobs: List[concurrent.futures.Future] = []  # this engine's jobs on a shared thread
         self._anchors = dict(device_anchors or {})
         self.stats = WireStats()
         self._failure: Optional[BaseException] = None
@@ -276,9 +280,7 @@ class PipelineEngine:
         rank waits for them at the same point of the program, so they are the same on every
         rank. The engine is unusable afterwards; build a new one for the new world."""
         self._abort.set()  # queued comm-thread jobs must not start a collective in the new world
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
-            self._worker = None
+        self._stop_comm_thread(wait=False, cancel=True)
         self._current = None
         # Waits happen oldest first, so the finished steps are a prefix of the queue.
         self._queue = collections.deque(s for s in self._queue if s.grads is not None)
@@ -292,11 +294,22 @@ class PipelineEngine:
     def close(self, wait: bool = True) -> None:
         """Stops the communication thread once its queued reductions are done (``wait=False``:
         without waiting for them here)."""
+        # After a failure, queued reductions would only wait for a peer that is gone.
+        failed = self._failure is not None
+        self._stop_comm_thread(wait=wait and not failed, cancel=failed)
+
+    def _stop_comm_thread(self, wait: bool, cancel: bool) -> None:
+        """This engine's queued comm jobs are cancelled (``cancel``) or left to run, and waited
+        for (``wait``). Its own thread is shut down; a shared issue thread serves the others on."""
         if self._worker is not None:
-            # After a failure, queued reductions would only wait for a peer that is gone.
-            failed = self._failure is not None
-            self._worker.shutdown(wait=wait and not failed, cancel_futures=failed)
+            self._worker.shutdown(wait=wait, cancel_futures=cancel)
             self._worker = None
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            if cancel:
+                job.cancel()
+        if wait:
+            concurrent.futures.wait([j for j in jobs if not j.cancelled()])
 
     # ------------------------------------------------------------------------- replica check
     def replica_check_due(self) -> bool:
@@ -415,7 +428,7 @@ class PipelineEngine:
                 abort.set()  # before the main thread even sees it: the next queued job must not start
                 raise
 
-        future = self._comm_thread().submit(job)
+        future = self._submit(job)
 
         def wait() -> Tuple[Tensor, int]:
             out, sent, done = future.result()
@@ -447,13 +460,18 @@ class PipelineEngine:
             return reduce_bucket(ops, comm, _PLAIN, flags, name=name, key="members", seed=Seed(0),
                                  op=ReduceOp.SUM).wait()
 
-        future = self._comm_thread().submit(job)
+        future = self._submit(job)
         return Reduction(future.result)
 
-    def _comm_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _submit(self, job: Callable[[], Any]) -> concurrent.futures.Future:
+        """Runs ``job`` on the comm thread: the shared communicator's issue thread, or this engine's own."""
+        if self._issue_thread is not None:
+            future = self._issue_thread.submit(job)
+            self._jobs = [j for j in self._jobs if not j.done()] + [future]
+            return future
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipesgd-comm")
-        return self._worker
+        return self._worker.submit(job)
 
     def _finish(self, s: _Step) -> AppliedStep:
         if s.grads is None:
