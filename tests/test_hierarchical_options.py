@@ -157,3 +157,31 @@ def test_hosts_of_different_sizes(monkeypatch, choice):
         assert all("hierarchical=True needs the same number of ranks on every host: the hosts hold different numbers "
                    "of ranks (local sizes [1, 2], cross sizes [1, 2]); launch as many ranks on every host" in r
                    and "or pass hierarchical=False" in r for r in results), results
+
+
+@pytest.mark.parametrize("choices, settings, want", [
+    ((True, None), ("int8", "int8"), "raises"),       # the argument differs: an error naming it on every rank
+    ((None, None), ("none", "int8"), "flat"),         # the codec differs: flat, the pipeline's check names it
+])
+def test_ranks_set_up_differently_issue_the_same_collectives(monkeypatch, choices, settings, want):
+    """Each rank gathers once whatever its own settings are, so none waits for a group only
+    some of them build (the reliability test of mismatched settings hung here before)."""
+    from pipesgd_hvd.comm import topology
+    from pipesgd_hvd.comm.local import LocalWorld
+    from pipesgd_hvd.comm.topology import NodeLayout
+    from threads import run_threads
+
+    monkeypatch.setattr(topology, "_is_channel", lambda comm: True)
+    monkeypatch.setattr(topology, "_horovod_layout", lambda required: NodeLayout(0, 1, 0, 2))
+
+    def rank_fn(rank, comm):
+        try:
+            return resolve_topology(choices[rank], comm, settings=settings[rank], wanted=settings[rank] != "none")
+        except ValueError as exc:
+            return str(exc)
+
+    results = run_threads(LocalWorld(2, TORCH_OPS), rank_fn, timeout=30)
+    if want == "flat":
+        assert results == [None, None]
+    else:
+        assert all("hierarchical= differs across ranks (rank 0: True, rank 1: None)" in r for r in results), results

@@ -146,7 +146,8 @@ class LocalCluster:
                         self._crosses[lay.local_rank].communicator(lay.cross_rank))
 
 
-def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topology") -> Optional[Topology]:
+def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topology",
+                     settings: Any = None, wanted: bool = True) -> Optional[Topology]:
     """The groups the optimizer's ``hierarchical`` argument asks for, or None (flat reductions).
 
     ``False``: None. A :class:`Topology`: it, once its size is checked. ``True`` (or "fp16" /
@@ -155,16 +156,19 @@ def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topol
     ``comm``, named ``name``, so every rank decides from the same facts) and builds the groups
     (:func:`channel_topology`); ``None`` builds them only where they help (several ranks on each
     of several hosts), the others always, and raise, naming the fix, where they cannot.
-    Collective on a channel of more than one rank: call it on every rank at the same point."""
-    if choice is False:
-        return None
+    ``wanted``: a byte codec may run (with a plain all-reduce there is no stage to split).
+
+    Collective on a channel of more than one rank, whatever ``choice``, ``wanted`` and
+    ``settings`` are: the gather carries them, and ranks whose values differ all end flat, so
+    that a rank set up differently from the others meets them at the pipeline's own cross-rank
+    check (which names the setting) instead of in a group only some of them build."""
     if isinstance(choice, Topology):
         if choice.layout.size != comm.size:
             raise ValueError(f"hierarchical= was given a Topology of {choice.layout.local_size} x "
                              f"{choice.layout.cross_size} ranks for a communicator of {comm.size}")
         return choice
     required = choice is True or isinstance(choice, str)  # "fp16"/"bf16": on, 16 bits inside the node
-    if choice is not None and not required:
+    if choice is not None and choice is not False and not required:
         raise ValueError(f"hierarchical must be None (on where it helps), True, False, 'fp16', 'bf16' or a Topology, "
                          f"got {choice!r}")
     if not _is_channel(comm):
@@ -176,10 +180,17 @@ def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topol
     if comm.size == 1:
         return None
     layout = _horovod_layout(choice if required else None)
-    if layout is None:
+    mine = [None if layout is None else [layout.local_rank, layout.local_size, layout.cross_rank, layout.cross_size],
+            repr(choice), bool(wanted), repr(settings)]
+    gathered = comm.allgather_object(mine, name)
+    if any(entry[1] != mine[1] for entry in gathered):
+        values = ", ".join(f"rank {r}: {entry[1]}" for r, entry in enumerate(gathered))
+        raise ValueError(f"hierarchical= differs across ranks ({values}): pass the same value on every rank")
+    if any(entry[2:] != mine[2:] for entry in gathered):
+        return None  # set up differently: the pipeline's cross-rank check names the difference
+    if choice is False or not wanted or layout is None:
         return None
-    layouts = [NodeLayout(*entry) for entry in comm.allgather_object(
-        [layout.local_rank, layout.local_size, layout.cross_rank, layout.cross_size], name)]
+    layouts = [NodeLayout(*entry[0]) for entry in gathered]
     problem = layout_problem(layouts, comm.size)
     if problem is not None:
         if required:

@@ -124,9 +124,10 @@ class PipelineLifecycle:
         byte codec may run (a fixed codec, or the auto mode's choice); None otherwise. Collective
         where it builds them; every rank decides alike, from the same options."""
         auto = self.options.auto
-        if (auto is None or auto.compression is not None) and resolve_compression(self._codec_template).summable:
-            return None  # a plain all-reduce: no stage to split
-        return resolve_topology(self.options.hierarchical, self.comm, name=f"{self._name}.topology")
+        codec = resolve_compression(self._codec_template)
+        plain = (auto is None or auto.compression is not None) and codec.summable  # no stage to split
+        return resolve_topology(self.options.hierarchical, self.comm, name=f"{self._name}.topology",
+                                settings=(codec.name, None if auto is None else auto.compression), wanted=not plain)
 
     def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int, check_ranks: bool) -> Pipeline:
         """A new pipeline; ``check_ranks``: run the cross-rank check of settings and tensors
