@@ -193,6 +193,9 @@ def test_verdicts_need_the_mean_and_the_worst_seed():
     lm = summary.verdict(LM)
     assert lm["best"] == "adam_prediction" and lm["met"] and not lm["candidates"]["split_batch"]["met"]
     assert lm["candidates"]["none"]["config"] == "w2-int8"
+    recipe = record_of("muon", "val_loss", "muon", {"sync": [1.5], "w2": [1.5 + math.log(1.004)]})
+    assert summary.verdict(recipe)["candidates"]["none"]["config"] == "w2"   # no int8 run: the uncompressed one
+    assert summary.verdict(recipe)["met"]
 
 
 def test_summary_ranks_corrections_per_optimizer_class_on_judged_tasks():

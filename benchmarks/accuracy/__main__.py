@@ -39,7 +39,7 @@ def launch(task: str, args: argparse.Namespace, lr: Optional[float], source: str
     out = Path(tempfile.mkdtemp()) / f"{task}.json"
     cmd += ["--out", str(out)] + (["--configs", *args.configs] if args.configs else [])
     for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--lr", lr), ("--lr-source", source)):
-        cmd += [flag, str(value)] if value is not None else []
+        cmd += [f"{flag}={value}"] if value is not None else []   # "=": a value may start with "--"
     # Horovod's loop wakes every cycle on the cores compute needs; the pipeline does not use it (README)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
                HOROVOD_CYCLE_TIME=os.environ.get("HOROVOD_CYCLE_TIME", "20"))

@@ -70,6 +70,8 @@ def settings(task: Mapping[str, Any]) -> str:
         grid = ", ".join(f"{g['lr']:g}: {math.exp(g['value']) if t['metric'] == 'val_loss' else 100 * g['value']:.3f}"
                          for g in t["lr_grid"])
         text += f". Rate chosen by synchronous seed 0 over the grid ({grid}): {t['lr']:g}"
+        if t["lr"] in (min(g["lr"] for g in t["lr_grid"]), max(g["lr"] for g in t["lr_grid"])):
+            text += " (at the grid's edge: the best rate may lie beyond it)"
     elif t["lr_source"] != "task":
         text += f". Rate from {t['lr_source']}"
     return text + "."
@@ -86,7 +88,7 @@ def verdict_table(tasks: Sequence[Mapping[str, Any]], verdicts: Sequence[Mapping
                      f"{CONFIGS[best['config']].label}" if best else "-",
                      vs_sync(t, best["gap"]) if best else "-", vs_sync(t, best["worst_gap"]) if best else "-",
                      ("**yes**" if v["met"] else "no") if best else "-"])
-    return table(["task", "optimizer", "regime", "target vs sync", "best width 2 with int8+EF", "vs sync (mean)",
+    return table(["task", "optimizer", "regime", "target vs sync", "best width 2 (int8+EF where run)", "vs sync (mean)",
                   "worst seed vs sync's worst", "met"], rows)
 
 
@@ -171,13 +173,15 @@ communication is cheap, so width 2 buys little speed here (docs/benchmarks.md ha
 
 ## Verdicts: the best width-2 configuration with int8+EF against synchronous training
 
+The recipes ran width 2 without a codec only (`--configs` adds `w2-int8`), so their row names that.
+
 {verdict_table(tasks, s['verdicts'])}
 
 ## Which correction per optimizer class
 
 Score: a configuration's shortfall against synchronous training in units of the task's target (the larger of
 the mean's and the worst seed's); 1 is at the target. Per class, over its judged tasks, ranked by the worst
-score; `none` is plain width 2 (with int8+EF). The record's `summary.by_optimizer` holds these rankings.
+score; `none` is plain width 2 (with int8+EF, except the recipes). The record's `summary.by_optimizer` holds these rankings.
 
 {optimizer_table(s['by_optimizer'])}
 

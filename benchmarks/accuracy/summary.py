@@ -55,12 +55,12 @@ def score(task: Mapping[str, Any], key: str) -> float:
 
 
 def candidates(task: Mapping[str, Any]) -> List[str]:
-    """The task's width-2 configurations with int8+EF, in the order they ran (none without a
-    synchronous run to compare with)."""
-    keys = dict.fromkeys(r["config"] for r in task["runs"])
-    if "sync" not in keys:
+    """The task's width-2 configurations with int8+EF, in the order they ran; where it ran none
+    (the recipes), its uncompressed ones; none without a synchronous run to compare with."""
+    keys = [k for k in dict.fromkeys(r["config"] for r in task["runs"]) if CONFIGS[k].width == 2]
+    if not any(r["config"] == "sync" for r in task["runs"]):
         return []
-    return [k for k in keys if CONFIGS[k].width == 2 and CONFIGS[k].compression == "int8"]
+    return [k for k in keys if CONFIGS[k].compression == "int8"] or keys
 
 
 def correction_name(key: str) -> str:
