@@ -134,7 +134,7 @@ def test_muon_recipe_trains_with_two_wrapped_optimizers():
 
 
 def test_configs_follow_the_optimizer():
-    assert "w2-adam-int8" in configs_for(TASKS["stdlib-lm"], None) and "w2-split-int8" in TASKS["stdlib-lm"].configs
+    assert "w2-adam-int8" in configs_for(TASKS["stdlib-lm"], None) and "w2-split" in TASKS["pydoc-lm"].configs
     assert all(CONFIGS[k].correction != "adam_prediction" for k in configs_for(TASKS["shapes"], None))
     assert configs_for(TASKS["stdlib-nadamw"], ["sync", "w2-adam", "w2-int8"]) == ("sync", "w2-int8")
     assert CONFIGS["w2-split-int8"].calls_per_update == 2 and CONFIGS["w2-eager"].calls_per_update == 1

@@ -173,7 +173,9 @@ communication is cheap, so width 2 buys little speed here (docs/benchmarks.md ha
 
 ## Verdicts: the best width-2 configuration with int8+EF against synchronous training
 
-The recipes ran width 2 without a codec only (`--configs` adds `w2-int8`), so their row names that.
+The recipes ran width 2 without a codec only (`--configs` adds `w2-int8`), so their row names that. The
+standard LM ran each correction with int8+EF only (`--configs` adds the uncompressed ones); the stress task
+ran each with and without.
 
 {verdict_table(tasks, s['verdicts'])}
 

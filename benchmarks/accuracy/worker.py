@@ -131,7 +131,7 @@ def train_side_by_side(runs: List[Run], prob: Any, task: Task, evals: int, rank:
             train_segment(run, prob, segment, segment == evals - 1)
             evaluate(run, prob, f"acc.eval.{phase}.{i}.{segment}")
             if rank == 0 and task.updates_per_eval:   # language models: minutes per segment, a line per run
-                print(f"{task.name} {phase} {segment + 1}/{evals}: {run.config.key} seed {run.seed}: "
+                print(f"{task.name} {phase} {segment + 1}/{evals}: {run.config.key} seed {run.seed} lr {run.lr:g}: "
                       f"{run.out['value'][-1]:.4f} ({run.seconds:.0f} s)", file=sys.stderr, flush=True)
         if rank == 0:
             left = (time.perf_counter() - start) / (segment + 1) * (evals - segment - 1)
