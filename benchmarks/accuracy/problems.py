@@ -1,4 +1,5 @@
-"""The study's data and models, each task's behind one interface (:class:`Problem`).
+"""The study's data and models, each behind one interface (``updates`` per segment, ``model(seed)``,
+``batches(seed, segment)``, ``evaluate(model)``, ``metric``).
 
 * ``digits``: sklearn's 8x8 digits (ships with scikit-learn), an MLP 64-128-10.
 * ``shapes``: 16x16 images of 8 shape classes at random positions, sizes and intensities under

@@ -55,12 +55,9 @@ def results_table(task: Mapping[str, Any]) -> str:
 
 def settings(task: Mapping[str, Any]) -> str:
     t = task
-    opt = {"sgd": f"SGD momentum {t['momentum']}, lr {t['lr']:g} x {t['ranks']} ranks",
-           "adamw": f"AdamW lr {t['lr']:g}, betas {tuple(t['betas'])}, weight decay {t['weight_decay']:g}",
-           "nadamw": f"NAdam (decoupled weight decay {t['weight_decay']:g}) lr {t['lr']:g}, betas {tuple(t['betas'])}, "
-                     f"momentum_decay {t.get('nadam_momentum_decay', 0):.3g}",
-           "muon": f"Muon (hidden matrices) + AdamW (the rest), lr {t['lr']:g}, weight decay {t['weight_decay']:g}"
-           }[t["optimizer"]]
+    opt = (f"SGD momentum {t['momentum']}, lr {t['lr']:g} x {t['ranks']} ranks" if t["optimizer"] == "sgd" else
+           f"{OPTIMIZER_CLASS[t['optimizer']]} lr {t['lr']:g}, betas {tuple(t['betas'])}, weight decay "
+           f"{t['weight_decay']:g}")
     unit = "test images" if t["metric"] == "accuracy" else "validation bytes"
     text = (f"{t['train_size']:,} training / {t['test_size']:,} {unit}; {t['ranks']} ranks x batch "
             f"{t['batch']}; {t['updates']} updates, evaluated every {t['updates_per_eval']}; {opt}; schedule "
@@ -138,8 +135,8 @@ def plot(tasks: Sequence[Mapping[str, Any]], path: Path) -> None:
 
 
 def notes(tasks: Sequence[Mapping[str, Any]]) -> str:
-    out = ["- `split_batch` runs two optimizer calls per update, each on half of the synchronous run's batch "
-           "(its first half, then its second), so an update sees the same samples; its schedule spans twice the calls."]
+    out = ["- `split_batch` takes two optimizer calls per update (a look-ahead half, then a real half): its runs "
+           "get each update's batch in two halves, and the schedule spans twice the calls."]
     for t in tasks:
         if t["optimizer"] == "nadamw":
             md, b1, n = t["nadam_momentum_decay"], t["betas"][0], t["updates"]
@@ -161,29 +158,23 @@ def document(record: Mapping[str, Any], kept: str) -> str:
     sections = "\n\n".join(f"### `{t['task']}`: {t['title']}\n\n{settings(t)}\n\n{results_table(t)}" for t in tasks)
     return f"""# Accuracy: staleness, its corrections, and int8 with error feedback
 
-Written by `python -m benchmarks.accuracy` (`make accuracy`) from one run: {record['machine']}, commit
-{record['commit']}, {record['elapsed']:.0f} s. Every per-seed curve is in `docs/accuracy.json`, with the
-verdicts and the per-optimizer summary below. Each task is one launch of `horovodrun -np 2` training all its
-configurations and seeds side by side (one torch thread per rank); runs of a seed start from the same weights
-and see the same samples per update. Metrics are measured at the real weights (`opt.real_weights()`), the last
-after `flush()`, on every rank; shown: the mean over ranks. Width 2 with `split_batch` takes two optimizer
-calls per update (a look-ahead half, then a real half), so it runs half the batch per call and twice the calls,
-with the schedule over calls. "Training s" counts training steps only (slowest rank); on 2 local ranks
-communication is cheap, so width 2 buys little speed here (docs/benchmarks.md has the speed study).
+Written by `python -m benchmarks.accuracy` (`make accuracy`): {record['machine']}, commit {record['commit']},
+{record['elapsed']:.0f} s; every per-seed curve, the verdicts and the per-optimizer summary are in
+`docs/accuracy.json`. Per task, one `horovodrun -np 2` launch trains its configurations and seeds side by side
+(one torch thread per rank); runs of a seed start from the same weights and see the same samples per update.
+Metrics: at the real weights (`opt.real_weights()`; the last after `flush()`), the mean over ranks. "Training s":
+training steps only, slowest rank (docs/benchmarks.md has the speed study). The standard LM runs each correction
+with int8+EF only and the recipes width 2 without a codec (`--configs` adds the others); the stress task runs
+every correction with and without int8+EF.
 
-## Verdicts: the best width-2 configuration with int8+EF against synchronous training
-
-The recipes ran width 2 without a codec only (`--configs` adds `w2-int8`), so their row names that. The
-standard LM ran each correction with int8+EF only (`--configs` adds the uncompressed ones); the stress task
-ran each with and without.
+## Verdicts: the best width-2 configuration against synchronous training
 
 {verdict_table(tasks, s['verdicts'])}
 
 ## Which correction per optimizer class
 
-Score: a configuration's shortfall against synchronous training in units of the task's target (the larger of
-the mean's and the worst seed's); 1 is at the target. Per class, over its judged tasks, ranked by the worst
-score; `none` is plain width 2 (with int8+EF, except the recipes). The record's `summary.by_optimizer` holds these rankings.
+Score: the shortfall against synchronous training in units of the task's target (the larger of the mean's and
+the worst seed's; at most 1 meets it), ranked by the worst over the class's judged tasks; `none`: plain width 2.
 
 {optimizer_table(s['by_optimizer'])}
 

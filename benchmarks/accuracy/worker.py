@@ -23,16 +23,13 @@ from .optimizers import build, nadam_momentum_decay
 from .problems import Batch, problem as make_problem
 from .tasks import CONFIGS, TASKS, WARMUP_FRACTION, Config, Task, configs_for, lr_factor
 
+
 def calls(batches: Iterable[Batch], split: bool) -> Iterator[Batch]:
     """Each update's batch as the optimizer's calls take it: whole, or (split_batch: two calls per
     update) its first half, then its second, so an update sees the synchronous run's samples."""
     for x, y in batches:
-        if not split:
-            yield x, y
-            continue
         half = len(x) // 2
-        yield x[:half], y[:half]
-        yield x[half:], y[half:]
+        yield from ((x[:half], y[:half]), (x[half:], y[half:])) if split else ((x, y),)
 
 
 @dataclass
@@ -61,18 +58,15 @@ def make_run(task: Task, prob: Any, cfg: Config, seed: int, lr: float, size: int
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     total_calls = updates * cfg.calls_per_update
     warmup = round(WARMUP_FRACTION * updates) if task.schedule == "cosine" else 0
-    opts, schedulers = [], []
-    for i, (inner, named) in enumerate(build(task.optimizer, list(model.named_parameters()), lr, size, task.momentum,
-                                             task.betas, task.weight_decay, warmup)):
-        # names unique per run: the runs share a process, and Horovod refuses two in-flight
-        # collectives of one name
-        opt = psgd.DistributedOptimizer(inner, named_parameters=[(f"{tag}.{i}.{n}", p) for n, p in named],
-                                        width=cfg.width, compression=getattr(psgd.Compression, cfg.compression),
-                                        staleness_correction=cfg.correction or False,
-                                        communicator=communicator() if communicator else None)
-        opts.append(opt)
-        schedulers.append(torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda call: lr_factor(task.schedule, call, total_calls)))
+    # names unique per run: the runs share a process, and Horovod refuses two in-flight collectives of one name
+    opts = [psgd.DistributedOptimizer(inner, named_parameters=[(f"{tag}.{i}.{n}", p) for n, p in named],
+                                      width=cfg.width, compression=getattr(psgd.Compression, cfg.compression),
+                                      staleness_correction=cfg.correction or False,
+                                      communicator=communicator() if communicator else None)
+            for i, (inner, named) in enumerate(build(task.optimizer, list(model.named_parameters()), lr, size,
+                                                     task.momentum, task.betas, task.weight_decay, warmup))]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda call: lr_factor(task.schedule, call, total_calls))
+                  for opt in opts]
     return Run(cfg, seed, lr, model, opts, schedulers)
 
 
@@ -130,25 +124,20 @@ def train_side_by_side(runs: List[Run], prob: Any, task: Task, evals: int, rank:
         for i, run in enumerate(runs):
             train_segment(run, prob, segment, segment == evals - 1)
             evaluate(run, prob, f"acc.eval.{phase}.{i}.{segment}")
-            if rank == 0 and task.updates_per_eval:   # language models: minutes per segment, a line per run
+            # a line per run: each segment of a language model (minutes each), else the last
+            if rank == 0 and (task.updates_per_eval or segment == evals - 1):
                 print(f"{task.name} {phase} {segment + 1}/{evals}: {run.config.key} seed {run.seed} lr {run.lr:g}: "
                       f"{run.out['value'][-1]:.4f} ({run.seconds:.0f} s)", file=sys.stderr, flush=True)
         if rank == 0:
             left = (time.perf_counter() - start) / (segment + 1) * (evals - segment - 1)
             print(f"{task.name} {phase}: {segment + 1}/{evals} done, {time.perf_counter() - start:.0f} s in, "
                   f"~{left:.0f} s left", file=sys.stderr, flush=True)
-    if rank == 0:
-        for run in runs:
-            print(f"{task.name} {phase}: {run.config.key} seed {run.seed} lr {run.lr:g}: "
-                  f"{run.out['value'][-1]:.4f} ({run.seconds:.0f} s)", file=sys.stderr, flush=True)
 
 
 def result(run: Run, times: List[List[List[float]]], i: int) -> Dict[str, Any]:
     """A run's record; its time per segment is the slowest rank's (training steps only)."""
-    sent = sum(o.stats.bytes_sent for o in run.opts)
-    fp32 = sum(o.stats.fp32_bytes for o in run.opts)
-    return {"config": run.config.key, "seed": run.seed, **run.out,
-            "time": [max(t[i][s] for t in times) for s in range(len(run.out["time"]))],
+    sent, fp32 = (sum(getattr(o.stats, f) for o in run.opts) for f in ("bytes_sent", "fp32_bytes"))
+    return {"config": run.config.key, "seed": run.seed, **run.out, "time": [max(s) for s in zip(*(t[i] for t in times))],
             "wire_ratio": sent / fp32 if fp32 else 1.0}
 
 
@@ -179,7 +168,7 @@ def work(args: argparse.Namespace) -> None:
         lr = chosen.lr
     keys = list(configs_for(task, args.configs))
     runs = [make_run(task, prob, CONFIGS[k], s, lr, size, updates, f"main.{k}.{s}")
-            for s in range(args.seeds or task.seeds) for k in keys if not (chosen and k == "sync" and s == 0)]
+            for s in range(args.seeds or task.seeds) for k in keys if not (chosen is not None and k == "sync" and s == 0)]
     train_side_by_side(runs, prob, task, evals, rank, "main")
     if chosen is not None and "sync" in keys:
         runs.insert(0, chosen)   # the grid's winner is the synchronous run of seed 0, trained once
