@@ -78,19 +78,20 @@ def main(argv: Optional[List[str]] = None) -> None:
         record = json.loads(args.from_record.read_text())
     else:
         start, tasks = time.perf_counter(), []
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+        args.record.parent.mkdir(parents=True, exist_ok=True)
         for name in [t for t in TASKS if t in args.tasks]:   # a task's lr_from source runs before it
             source = next((t for t in tasks if t["task"] == TASKS[name].lr_from), None)
             if args.lr is not None:
                 tasks.append(launch(name, args, args.lr, "--lr"))
             else:
                 tasks.append(launch(name, args, source and source["lr"], source and f"`{source['task']}`'s grid"))
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-        record = {"machine": f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores, "
-                             f"Python {platform.python_version()}", "commit": commit,
-                  "elapsed": time.perf_counter() - start, "tasks": tasks, "summary": summarise(tasks)}
-        args.record.parent.mkdir(parents=True, exist_ok=True)
-        args.record.write_text(json.dumps(record, indent=1) + "\n")
+            # after every task, so that a failure hours in keeps what was measured (--from-record)
+            record = {"machine": f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} "
+                                 f"cores, Python {platform.python_version()}", "commit": commit,
+                      "elapsed": time.perf_counter() - start, "tasks": tasks, "summary": summarise(tasks)}
+            args.record.write_text(json.dumps(record, indent=1) + "\n")
     if not args.no_doc:
         write(record, DOC, PLOT)
         print(f"wrote {DOC.relative_to(ROOT)} and {PLOT.relative_to(ROOT)}", file=sys.stderr)

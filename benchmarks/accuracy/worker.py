@@ -144,8 +144,8 @@ def train_side_by_side(runs: List[Run], prob: Any, task: Task, evals: int, rank:
 def result(run: Run, times: List[List[List[float]]], i: int) -> Dict[str, Any]:
     """A run's record; its time per segment is the slowest rank's (training steps only)."""
     sent, fp32 = (sum(getattr(o.stats, f) for o in run.opts) for f in ("bytes_sent", "fp32_bytes"))
-    return {"config": run.config.key, "seed": run.seed, **run.out, "time": [max(s) for s in zip(*(t[i] for t in times))],
-            "wire_ratio": sent / fp32 if fp32 else 1.0}
+    return {"config": run.config.key, "seed": run.seed, **run.out, "wire_ratio": sent / fp32 if fp32 else 1.0,
+            "time": [max(s) for s in zip(*(t[i] for t in times))]}
 
 
 def work(args: argparse.Namespace) -> None:
@@ -174,8 +174,9 @@ def work(args: argparse.Namespace) -> None:
         chosen = min(grid_runs, key=lambda r: r.out["value"][-1] * (1 if prob.metric == "val_loss" else -1))
         lr = chosen.lr
     keys = list(configs_for(task, args.configs))
-    runs = [make_run(task, prob, CONFIGS[k], s, lr, size, updates, f"main.{k}.{s}")
-            for s in range(args.seeds or task.seeds) for k in keys if not (chosen is not None and k == "sync" and s == 0)]
+    seeds = range(args.seeds or task.seeds)
+    runs = [make_run(task, prob, CONFIGS[k], s, lr, size, updates, f"main.{k}.{s}") for s in seeds for k in keys
+            if not (chosen is not None and k == "sync" and s == 0)]
     train_side_by_side(runs, prob, task, evals, rank, "main")
     if chosen is not None and "sync" in keys:
         runs.insert(0, chosen)   # the grid's winner is the synchronous run of seed 0, trained once
