@@ -4,8 +4,8 @@
 * ``"cuda"``: the Triton kernels (``triton_kernels.py``) when ``triton`` is importable, else none
   (the codecs then run their tensor-op reference, which on a GPU is several kernels per codec
   pass but correct);
-* ``"tensorflow"``: the host kernels inside ``tf.numpy_function`` (``tf_kernels.py``) when the C
-  kernels are built, else none (with the same warning as the host path).
+* ``"tensorflow"``: the host kernels inside ``tf.numpy_function`` (``tf_kernels.py``); asked only
+  when the C kernels are built (``kernels.device_module`` warns as the host path does if not).
 
 Each module is imported on first use, never at import time: Triton is absent from CPU installs
 and importing it costs seconds, and TensorFlow is only there for its own tensors.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import warnings
 from types import ModuleType
 from typing import Optional
 
@@ -28,11 +27,6 @@ def load(device: str) -> Optional[ModuleType]:
         except ImportError:
             return None
         return importlib.import_module("pipesgd_hvd.compression.triton_kernels")
-    if device == "tensorflow":
-        from . import kernels
-        if not kernels.available():
-            warnings.warn(kernels.UNAVAILABLE or "pipesgd_hvd's fused codec kernels are not loaded",
-                          RuntimeWarning, stacklevel=3)
-            return None
+    if device == "tensorflow":  # the caller (kernels.device_module) checked that the C kernels are built
         return importlib.import_module("pipesgd_hvd.compression.tf_kernels")
     raise ValueError(f"no device kernels for {device!r}: a table's kernel_device() names 'cuda' or 'tensorflow'")

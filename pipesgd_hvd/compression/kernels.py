@@ -89,7 +89,12 @@ def device_module(ops: TensorOps, x: Tensor) -> Optional[ModuleType]:
     """The device kernels for ``x`` (the Triton module for CUDA tensors, tf_kernels for TensorFlow
     CPU tensors), or None: host or reference."""
     device = ops.kernel_device(x)
-    return None if device is None else device_kernels.load(device)
+    if device is None:
+        return None
+    if device == "tensorflow" and _native is None:  # they run these host kernels, which are not built
+        warnings.warn(UNAVAILABLE or "pipesgd_hvd's fused codec kernels are not loaded", RuntimeWarning, stacklevel=3)
+        return None
+    return device_kernels.load(device)
 
 
 def _device_layout(device: ModuleType, kind: Kind) -> Optional[str]:
