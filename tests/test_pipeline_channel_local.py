@@ -18,6 +18,7 @@ from pipesgd_hvd.comm.base import PeerLostError, ReduceOp
 from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
 
 SIZE = 2
+SECRET = b"0123456789abcdef-the-jobs-secret"  # what rank 0 makes and Horovod's broadcast carries
 
 
 def run_pair(fn, timeout=60, channel_timeout=30.0):
@@ -29,7 +30,8 @@ def run_pair(fn, timeout=60, channel_timeout=30.0):
 
     def target(rank):
         try:
-            channel = PipelineChannel(stores[rank], rank, SIZE, address="127.0.0.1", timeout=channel_timeout)
+            channel = PipelineChannel(stores[rank], rank, SIZE, address="127.0.0.1", secret=SECRET,
+                                      timeout=channel_timeout)
             results[rank] = fn(rank, channel)
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread below
             errors.append((rank, exc))
@@ -124,7 +126,7 @@ import torch, torch.distributed as dist
 from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
 port, how = int(sys.argv[1]), sys.argv[2]
 store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
-ch = PipelineChannel(store, 2, 3, address="127.0.0.1", timeout=30.0)
+ch = PipelineChannel(store, 2, 3, address="127.0.0.1", secret=b"0123456789abcdef-the-jobs-secret", timeout=30.0)
 x = torch.full((1, 64), 2.0)
 for _ in range(2):
     ch.allgather_async(x, "ag").wait()
@@ -157,7 +159,7 @@ def test_a_killed_peer_ends_every_survivors_wait_within_seconds(how):
     outcome = {}
 
     def survivor(rank):
-        channel = PipelineChannel(stores[rank], rank, 3, address="127.0.0.1", timeout=30.0)
+        channel = PipelineChannel(stores[rank], rank, 3, address="127.0.0.1", secret=SECRET, timeout=30.0)
         x = torch.full((1, 64), float(rank))
         for round_ in range(4):
             if rank == 1 and round_ == 2:

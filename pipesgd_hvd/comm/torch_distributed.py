@@ -7,6 +7,7 @@ from typing import Any, Callable, List, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import wire
 from .base import TIMEOUT_CAUSES, PeerLostError, PolledHandle, ReduceOp, default_timeout, postscale_factor
 
 T = TypeVar("T")
@@ -39,7 +40,8 @@ class TorchDistributedCommunicator:
         # missing one of those must still answer the check), bounded by the same timeout.
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         limit = datetime.timedelta(seconds=self._timeout if self._timeout is not None else 10 * 365 * 86400)
-        self._check_group = dist.new_group(ranks=ranks, timeout=limit)
+        # Gloo whatever the default backend: the checks gather host bytes (the typed encoding).
+        self._check_group = dist.new_group(ranks=ranks, timeout=limit, backend="gloo")
 
     @property
     def rank(self) -> int:
@@ -78,6 +80,17 @@ class TorchDistributedCommunicator:
         return self._polled(work, lambda: (work.wait(), out)[1], f"allgather '{name}'")
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        out: List[Any] = [None] * self.size
-        _translated(lambda: dist.all_gather_object(out, obj, group=self._check_group), f"allgather_object '{name}'")
-        return out
+        # Not dist.all_gather_object: it unpickles what it receives. Sizes, then the padded bytes
+        # of the typed encoding (wire.py).
+        what = f"allgather_object '{name}'"
+        data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
+        sizes = torch.empty(self.size, dtype=torch.int64)
+        _translated(lambda: dist.all_gather_into_tensor(sizes, torch.tensor([data.numel()], dtype=torch.int64),
+                                                        group=self._check_group), what)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        gathered = torch.empty(self.size * longest, dtype=torch.uint8)
+        _translated(lambda: dist.all_gather_into_tensor(gathered, padded, group=self._check_group), what)
+        rows = gathered.view(self.size, longest)
+        return [wire.decode(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.size)]

@@ -1,0 +1,544 @@
+"""The stall inspector: no silent wait, and every way a rank can stop early ends on every rank.
+
+Horovod's stall inspector warns after 60 s and names the ranks and tensors that have not arrived
+(``HOROVOD_STALL_CHECK_TIME_SECONDS``), and can shut the job down after a second threshold. The
+pipeline's collectives do not go through Horovod's coordinator, so it cannot see them; this is
+their inspector. One per optimizer (or per engine built alone), with a daemon monitor thread:
+
+* **Warning.** A pipeline wait longer than ``PIPESGD_STALL_CHECK_TIME_SECONDS`` (default 60; ``0``:
+  no warning) logs, on the waiting rank, the step and bucket it waits on, which ranks have not
+  begun that step and what each is doing (from the status board: in ``flush()``, in ``join()``,
+  outside the pipeline at ``file:line``, not answering), and the likely causes; again after each
+  further threshold. ``PIPESGD_STALL_SHUTDOWN_TIME_SECONDS`` (default 0: never) ends such a wait
+  with an error. ``PIPESGD_TIMEOUT`` stays the last resort.
+* **Early ends, in seconds, with words.** A wait that has lasted a few seconds asks every rank
+  for its status (:mod:`pipesgd_hvd.comm.board`) and raises at once when a rank it needs can never
+  come: one that is exiting, one stopped at an error, one inside Horovod's own ``hvd.join()``
+  (which does not take part in the pipeline's steps). That rank's own monitor says it too.
+* **flush() without a collective.** Where a board exists, ``flush()`` agrees on step counts
+  through it (:meth:`StallInspector.agree_at_flush`): a rank that ran out of data and calls
+  ``flush()`` while the others still train is told so (it returns, and its ``join()`` then
+  works), instead of waiting in a check that the training ranks never reach.
+* **Exit.** A rank that exits while others still need its share of a step (it left the training
+  loop without ``join()``) says so and ends with status 1, and tells them first
+  (:meth:`StallInspector.check_at_exit`).
+
+Cost: the training thread only writes a few attributes per step and waits through
+:meth:`StallInspector.wait`, which is a plain ``wait()`` when the result is already there; the
+monitor wakes every half second and asks the board one question (has anyone asked for news?).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+
+from ..comm.base import PeerLostError, _seconds_from_env, default_timeout, exit_if_stuck
+from ..comm.board import BoardUnavailable, StatusBoard
+from .guards import StepCountMismatchError, _steps_message
+
+log = logging.getLogger("pipesgd_hvd.stall")
+
+DEFAULT_CHECK_S = 60.0     # Horovod's HOROVOD_STALL_CHECK_TIME_SECONDS default
+PERIOD_S = 0.5             # the monitor's tick
+ASK_AFTER_S = 2.0          # a wait this old asks every rank for its status
+SLICE_S = 0.25             # how often a waiting training thread looks for a verdict
+HOROVOD_BLOCKED_S = 1.0    # a rank this long in one Horovod call after its step is blocked there
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CAUSES = ("a rank in flush(), join(), evaluation or checkpoint writing alone; uneven data per rank (call "
+          "psgd.join() on a rank once it runs out of batches, instead of leaving the loop); or a lost peer")
+
+
+@dataclass(frozen=True)
+class StallSettings:
+    """The thresholds, from the environment (Horovod's names with PIPESGD_ instead of HOROVOD_)."""
+
+    check_s: Optional[float] = DEFAULT_CHECK_S
+    shutdown_s: Optional[float] = None
+    period_s: float = PERIOD_S
+
+    @classmethod
+    def from_env(cls) -> "StallSettings":
+        return cls(_seconds_from_env("PIPESGD_STALL_CHECK_TIME_SECONDS", DEFAULT_CHECK_S),
+                   _seconds_from_env("PIPESGD_STALL_SHUTDOWN_TIME_SECONDS", 0.0))
+
+    @property
+    def ask_after_s(self) -> float:
+        return min(ASK_AFTER_S, self.check_s / 2) if self.check_s else ASK_AFTER_S
+
+
+@dataclass
+class Wait:
+    step: int
+    bucket: Optional[int]   # None: not a bucket's reduction (a check, flush()'s agreement)
+    what: str
+    since: float
+
+
+@dataclass
+class _Status:
+    """This rank's state, written by the training thread (plain attributes: no board traffic)."""
+
+    phase: str = "train"                 # train | flush | join | exit | failed
+    begun: int = 0                        # steps begun (the open step's index + 1)
+    ended: int = 0                        # steps ended
+    wait: Optional[Wait] = None
+    since: float = field(default_factory=time.monotonic)
+    flush: Optional[Tuple[int, int]] = None  # (how many flush() calls, steps ended at the last one)
+    joined_at: Optional[int] = None
+    error: Optional[str] = None
+    thread: Optional[int] = None          # the training thread (where it is, for the others)
+
+
+class StallInspector:
+    """See the module docstring. ``board``: the transport's status board (None: warnings without
+    rank names, and ``flush()`` keeps its collective check); ``error_type``: what a verdict raises
+    (the transport's own PeerLostError, so that Horovod elastic sees the failure it expects)."""
+
+    def __init__(self, rank: int, size: int, board: Optional[StatusBoard], name: str, *,
+                 error_type: Type[PeerLostError] = PeerLostError, transport: str = "",
+                 settings: Optional[StallSettings] = None) -> None:
+        self.rank, self.size, self.board, self.name = rank, size, board, name
+        self.error_type, self.transport = error_type, transport
+        self.settings = settings if settings is not None else StallSettings.from_env()
+        self.comm: Any = None  # the transport it was made for (for_comm)
+        self.status = _Status()
+        self.verdict: Optional[BaseException] = None   # a peer that can never come: waits raise this
+        self.knows: List[int] = []                      # ranks this rank has judged gone
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._answered = -1          # the last request this rank answered
+        self._asked: Optional[Tuple[int, float]] = None  # (request number, when) of this wait's question
+        self._warned = 0
+        self._said: set = set()
+        self._statuses: List[Optional[Dict[str, Any]]] = []
+
+    @classmethod
+    def for_comm(cls, comm: Any, name: str, settings: Optional[StallSettings] = None) -> "StallInspector":
+        """The inspector of a pipeline over ``comm`` (its board, if the transport has one)."""
+        make_board = getattr(comm, "status_board", None)
+        board = make_board(name) if make_board is not None and comm.size > 1 else None
+        inspector = cls(comm.rank, comm.size, board, name, error_type=getattr(comm, "error_type", PeerLostError),
+                        transport=type(comm).__name__, settings=settings)
+        inspector.comm = comm
+        return inspector
+
+    # ------------------------------------------------------------------ training-thread side
+    def step_begun(self, step: int) -> None:
+        st = self.status
+        st.begun, st.thread = step + 1, threading.get_ident()
+        if self._thread is None and self.board is not None:
+            self._start()  # from now on this rank answers the others' questions
+
+    def step_ended(self, steps: int) -> None:
+        st = self.status
+        st.ended, st.since = steps, time.monotonic()  # "outside the pipeline" counts from here
+
+    def set_phase(self, phase: str, publish: bool = True, **fields: Any) -> None:
+        """A rare transition (flush, join, exit, failure): the others may read it at once."""
+        st = self.status
+        st.phase, st.since, st.thread = phase, time.monotonic(), threading.get_ident()
+        for key, value in fields.items():
+            setattr(st, key, value)
+        if publish:
+            self._publish_quietly()
+
+    def failed(self, exc: BaseException) -> None:
+        if self.status.phase != "failed":
+            self.set_phase("failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+
+    def wait(self, reduction: Any, step: int, bucket: Optional[int], what: str) -> Any:
+        """``reduction.wait()``, but a verdict (a peer that can never come, a stall shutdown)
+        ends it with an error instead of a silent wait. When the result is already there (the
+        usual case in a pipeline) this is one ``done()`` call and the wait itself."""
+        if reduction.done():
+            return reduction.wait()
+        self.status.wait = Wait(step, bucket, what, time.monotonic())
+        self._ensure_started()
+        try:
+            # A reduction on a thread: wait for its Future in slices, then its own wait() (which no
+            # longer blocks). A blocking one: run it on a helper thread, so that this one can give up.
+            own = reduction.future is None
+            future = self._helper().submit(reduction.wait) if own else reduction.future
+            while not concurrent.futures.wait([future], timeout=SLICE_S).done:
+                verdict = self.verdict
+                if verdict is not None:
+                    if self.board is None or self.board.process_exit:
+                        # The thread that runs the wait stays blocked on the peer that never
+                        # comes, and interpreter exit joins it: bound the exit.
+                        exit_if_stuck(f"the pipeline stopped at {type(verdict).__name__}")
+                    raise verdict
+            return future.result() if own else reduction.wait()
+        finally:
+            self.status.wait = None
+
+    def blocking(self, step: int, what: str) -> "_Blocking":
+        """A wait this thread cannot leave (a check's collective): warned about, not interrupted."""
+        return _Blocking(self, Wait(step, None, what, time.monotonic()))
+
+    # ------------------------------------------------------------------------------ flush()
+    def agree_at_flush(self, ended: int, timeout: Optional[float] = None) -> str:
+        """``flush()``'s step check through the board (no collective): returns "agreed" when every
+        rank flushes at the same step (or is in ``join()``), "behind" when some rank is blocked
+        waiting for this rank's share of a step it never ran (it ran out of data: its ``join()``
+        will serve them); raises StepCountMismatchError when ranks flush at different steps, and
+        the transport's error when a rank stopped or the timeout passes."""
+        assert self.board is not None
+        st = self.status
+        seq = (st.flush[0] + 1) if st.flush else 1
+        self.set_phase("flush", publish=False, flush=(seq, ended))
+        self._ensure_started()
+        asked = self._ask()
+        timeout = timeout if timeout is not None else default_timeout()
+        started = time.monotonic()
+        st.wait = Wait(ended, None, "the step-count agreement of flush()", started)
+        pause, asked_at = 0.001, started
+        try:
+            while True:
+                if time.monotonic() - asked_at > self.settings.period_s:  # fresh news (how long in Horovod)
+                    asked, asked_at = self._ask(), time.monotonic()
+                statuses = self._read()
+                outcome = self._flush_outcome(statuses, seq, ended)
+                if outcome is not None:
+                    return outcome
+                if timeout is not None and time.monotonic() - started > timeout:
+                    waiting = [r for r, s in enumerate(statuses) if r != self.rank]
+                    raise self.error_type(
+                        f"flush() waited {timeout:g} s (PIPESGD_TIMEOUT) for rank(s) {waiting} to flush, join or "
+                        f"wait for this rank: {self._describe_ranks(statuses, asked, ended)}")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+        finally:
+            st.wait = None
+            st.phase, st.since = "train", time.monotonic()
+
+    def _flush_outcome(self, statuses: List[Optional[Dict[str, Any]]], seq: int, ended: int) -> Optional[str]:
+        counts: List[int] = []
+        behind = False
+        for r, s in enumerate(statuses):
+            if r == self.rank:
+                counts.append(ended)
+                continue
+            if s is None:
+                return None
+            if s["phase"] == "join":
+                counts.append(ended)  # it takes part in whatever steps the others run (after its flush too)
+                continue
+            if s["flush"] is not None and s["flush"][0] == seq:  # (even if it failed since: it saw the same)
+                counts.append(s["flush"][1])
+                continue
+            if s["phase"] == "failed":
+                raise self.error_type(f"rank {r} stopped at an error while this rank was in flush(): {s['error']}")
+            if s["phase"] == "exit":
+                counts.append(s["ended"])
+                continue
+            wait = s["wait"]
+            blocked_here = wait is not None and wait[1] is not None and wait[0] >= ended
+            # A metric hvd.allreduce after its step waits in Horovod for this rank's join() instead.
+            blocked_in_horovod = wait is None and s["in_horovod"] and s["for_s"] >= HOROVOD_BLOCKED_S
+            if s["begun"] > ended and (blocked_here or blocked_in_horovod):
+                behind = True  # it ran a step this rank never will, and waits for this rank's share
+                counts.append(ended)
+                continue
+            return None  # still training toward its own flush(): wait for it
+        if len(set(counts)) > 1:
+            raise StepCountMismatchError(_steps_message(counts, "flush()"))
+        return "behind" if behind else "agreed"
+
+    # -------------------------------------------------------------------------------- exit
+    def check_at_exit(self, ended: int, grace: float = 5.0) -> Optional[str]:
+        """At interpreter exit: says (to the others first) that this rank is leaving after
+        ``ended`` steps, and returns what to report if some rank still needs it (it began a step
+        this rank never ran, so it waits, or will, for this rank's share): the caller prints it
+        and ends with status 1. None when nobody needs it, or no board answers."""
+        if self.board is None:
+            return None
+        self.set_phase("exit", publish=False)
+        try:
+            first = asked = self._ask()
+            asked_at = started = time.monotonic()
+            statuses = self._read()
+            while True:
+                fresh = self._all_fresh(statuses, first)
+                if fresh and not self._undecided(statuses, ended):
+                    break
+                now = time.monotonic()
+                if now - started > (grace if fresh else 2 * self.settings.period_s + 1.0):
+                    break  # no answer (gone, frozen): nobody to tell; or still undecided after the grace
+                if now - asked_at > self.settings.period_s:  # news of the undecided
+                    asked, asked_at = self._ask(), now
+                time.sleep(0.05)
+                statuses = self._read()
+            # (one that failed already counts: it may have stopped at this very exit)
+            needing = [r for r, s in enumerate(statuses)
+                       if r != self.rank and s is not None and s["phase"] != "exit" and s["begun"] > ended]
+            if not needing:
+                return None
+            # Until each of them has read this (its monitor lists this rank as gone), or the grace ends.
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                if all(self.rank in (s or {}).get("knows", []) or (s or {}).get("phase") in ("exit", "failed")
+                       for r, s in enumerate(statuses) if r in needing):
+                    break
+                time.sleep(0.05)
+                statuses = self._read()
+        except BoardUnavailable:
+            return None
+        details = "; ".join(f"rank {r}: {_doing(statuses[r])}" for r in needing)
+        return (f"this rank exits after {ended} step(s) while rank(s) {needing} still need its share of later steps "
+                f"({details}): it left the training loop without join(). When ranks have different numbers of "
+                "batches, call psgd.join() (pipesgd_hvd.torch.join()) on each rank once it runs out, instead of "
+                "leaving the loop; the other ranks stop with an error naming this rank")
+
+    def _undecided(self, statuses: List[Optional[Dict[str, Any]]], ended: int) -> bool:
+        """A rank at this rank's step count, between steps: it may begin the next step (and then
+        need this rank's share) or flush (and not)."""
+        return any(r != self.rank and s is not None and s["phase"] == "train" and s["wait"] is None
+                   and s["begun"] == ended for r, s in enumerate(statuses))
+
+    def _all_fresh(self, statuses: List[Optional[Dict[str, Any]]], asked: int) -> bool:
+        return all(s is not None and (s["answers"] >= asked or s["phase"] in ("exit", "failed"))
+                   for r, s in enumerate(statuses) if r != self.rank)
+
+    # -------------------------------------------------------------------------- monitor side
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self._start()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name=f"pipesgd-stall-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._waiter is None:
+            self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipesgd-wait")
+        return self._waiter
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.period_s):
+            try:
+                self._tick()
+            except BoardUnavailable as exc:
+                self._say_once("board", logging.INFO, f"pipesgd_hvd stall inspector: {exc}; rank names are not "
+                                                      "available until it answers")
+            except Exception as exc:  # noqa: BLE001 - the inspector must never take the process down
+                self._say_once(f"bug:{type(exc).__name__}", logging.WARNING,
+                               f"pipesgd_hvd stall inspector: unexpected {type(exc).__name__}: {exc}")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        board, st = self.board, self.status
+        if board is not None:
+            request = board.requests()
+            if request != self._answered:  # someone asked: look, judge what can be judged, answer
+                self._statuses = self._read()
+                self._judge(self._statuses, self._need())
+                self._publish(request)
+                self._say_if_in_horovod_join()
+        wait = st.wait
+        if wait is None:
+            self._asked, self._warned = None, 0
+            return
+        waited = now - wait.since
+        if board is not None and waited >= self.settings.ask_after_s:
+            if self._asked is None or now - self._asked[1] > max(4 * self.settings.period_s, 2.0):
+                self._asked = (self._ask(), now)
+            self._statuses = self._read()
+            self._judge(self._statuses, wait.step)
+            self._publish(max(self._answered, 0))
+        check, shutdown = self.settings.check_s, self.settings.shutdown_s
+        if check and waited >= check * (self._warned + 1):
+            self._warned += 1
+            log.warning(self._stall_message(wait, waited))
+        if shutdown and waited >= shutdown and self.verdict is None:
+            message = (f"{self._stall_message(wait, waited)} Ending the wait after "
+                       f"PIPESGD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g} s")
+            log.error(message)
+            self.verdict = self.error_type(message)
+
+    def _need(self) -> int:
+        """The latest step whose shares this rank needs from everyone (waiting or not)."""
+        wait = self.status.wait
+        return wait.step if wait is not None else self.status.begun - 1
+
+    def _judge(self, statuses: List[Optional[Dict[str, Any]]], step: int) -> None:
+        """A verdict for a rank that can never give its share of ``step``: exiting, stopped at an
+        error, or inside Horovod's own join. Sticky: such a rank does not come back."""
+        if self.verdict is not None or step < 0:
+            return
+        for r, s in enumerate(statuses):
+            if r == self.rank or s is None or s["ended"] > step:
+                continue
+            why = None
+            if s["phase"] == "exit":
+                why = (f"rank {r} is exiting after {s['ended']} step(s) while this rank waits for its share of step "
+                       f"{step}: it left the training loop without join() (uneven data per rank), or after an "
+                       "error (see its log). When ranks have different numbers of batches, call psgd.join() "
+                       "(pipesgd_hvd.torch.join()) on each rank once it runs out, instead of leaving the loop")
+            elif s["phase"] == "failed":
+                why = (f"rank {r} stopped at an error ({s['error']}); this rank waits for its share of step {step}, "
+                       f"which will never come. The first error in rank {r}'s log is the cause")
+            elif s["hvd_join"] and s["phase"] != "join":
+                why = (f"rank {r} is inside Horovod's own hvd.join() ({s['where']}) after {s['ended']} step(s), "
+                       f"while this rank waits for its share of step {step}: Horovod's join does not take part in "
+                       "the pipelined optimizer's steps. Call pipesgd_hvd.torch.join() instead (psgd.join(), or "
+                       "hvd.join() after `import pipesgd_hvd.torch as hvd`): it runs Horovod's join too")
+            if why is not None:
+                self.knows.append(r)
+                log.error(f"pipesgd_hvd: {why}")
+                self.verdict = self.error_type(why)
+                self._publish_quietly()
+                return
+
+    def _say_if_in_horovod_join(self) -> None:
+        st = self.status
+        where, in_join, _ = self._where()
+        if in_join and st.phase not in ("join", "exit") and st.ended > 0:
+            self._say_once("hvd.join", logging.ERROR, (
+                f"pipesgd_hvd: this rank is inside Horovod's own hvd.join() ({where}) after {st.ended} step(s) while "
+                "other ranks wait for its share of the pipelined optimizer's steps: Horovod's join does not take part "
+                "in them. Call pipesgd_hvd.torch.join() instead (psgd.join(), or hvd.join() after "
+                "`import pipesgd_hvd.torch as hvd`); the other ranks stop with an error naming this rank"))
+
+    def _say_once(self, key: str, level: int, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.log(level, message)
+
+    # ----------------------------------------------------------------------------- the board
+    def _ask(self) -> int:
+        assert self.board is not None
+        self._publish_quietly()
+        return self.board.poke()
+
+    def _read(self) -> List[Optional[Dict[str, Any]]]:
+        assert self.board is not None
+        return self.board.read()
+
+    def _publish_quietly(self) -> None:
+        if self.board is None:
+            return
+        try:
+            self._publish(max(self._answered, 0))
+        except BoardUnavailable:
+            pass
+
+    def _publish(self, answers: int) -> None:
+        st, now = self.status, time.monotonic()
+        where, in_join, in_horovod = self._where()
+        wait = st.wait
+        entry = {"rank": self.rank, "phase": st.phase, "begun": st.begun, "ended": st.ended,
+                 "wait": [wait.step, wait.bucket, wait.what, round(now - wait.since, 1)] if wait else None,
+                 "for_s": round(now - st.since, 1), "where": where, "hvd_join": in_join, "in_horovod": in_horovod,
+                 "flush": list(st.flush) if st.flush else None, "joined_at": st.joined_at, "error": st.error,
+                 "knows": list(self.knows), "answers": answers, "host": socket.gethostname(), "pid": os.getpid()}
+        assert self.board is not None
+        self.board.publish(entry)
+        self._answered = max(self._answered, answers)
+
+    def _where(self) -> Tuple[Optional[str], bool, bool]:
+        """Where the training thread is (its innermost frame outside this package, the standard
+        library and installed packages), whether it is inside Horovod's own join, and whether it
+        is inside any Horovod call (a metric ``hvd.allreduce`` waits there for ranks that left)."""
+        ident = self.status.thread
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        where, in_join, in_horovod = None, False, False
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if f"{os.sep}horovod{os.sep}" in path:
+                in_horovod = True
+                in_join = in_join or frame.f_code.co_name == "join"
+            if where is None and not _internal(path):
+                where = f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+            frame = frame.f_back
+        return where, in_join, in_horovod
+
+    # -------------------------------------------------------------------------------- words
+    def _stall_message(self, wait: Wait, waited: float) -> str:
+        bucket = f", bucket {wait.bucket}" if wait.bucket is not None else ""
+        if self.board is None:
+            missing = (f"unknown with this transport ({self.transport}); the default transport under Horovod, the "
+                       "pipeline channel, names them")
+        else:
+            # A rank that had two ticks to answer the latest question and did not: frozen, or blocked in C.
+            asked = self._asked
+            unanswered = asked[0] if asked and time.monotonic() - asked[1] > 2 * self.settings.period_s + 0.5 else 0
+            missing = self._describe_ranks(self._statuses, unanswered, wait.step)
+        timeout = default_timeout()
+        return (f"pipesgd_hvd stall: rank {self.rank} has waited {waited:.0f} s for {wait.what} of step {wait.step}"
+                f"{bucket} (pipeline {self.name}). Not arrived: {missing}. Likely causes: {CAUSES}. "
+                f"PIPESGD_STALL_CHECK_TIME_SECONDS sets this warning's threshold"
+                f"{f'; PIPESGD_TIMEOUT={timeout:g} s ends the wait' if timeout else ''}")
+
+    def _describe_ranks(self, statuses: List[Optional[Dict[str, Any]]], asked: int, step: int) -> str:
+        parts = []
+        for r, s in enumerate(statuses):
+            if r == self.rank:
+                continue
+            if s is None:
+                parts.append(f"rank {r} (no status yet)")
+            elif s["phase"] not in ("exit", "failed") and s["answers"] < asked:
+                parts.append(f"rank {r} (does not answer the status board: frozen, or its Python is blocked in a C "
+                             f"call; last seen {_doing(s)})")
+            elif s["begun"] <= step or s["phase"] != "train":
+                parts.append(f"rank {r} ({_doing(s)})")
+        return ", ".join(parts) if parts else "every rank has begun this step (a transport problem, or a lost peer)"
+
+
+class _Blocking:
+    def __init__(self, inspector: StallInspector, wait: Wait) -> None:
+        self._inspector, self._wait = inspector, wait
+
+    def __enter__(self) -> None:
+        self._inspector.status.wait = self._wait
+        self._inspector._ensure_started()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._inspector.status.wait = None
+
+
+def _doing(s: Optional[Dict[str, Any]]) -> str:
+    """One rank's status in words."""
+    if s is None:
+        return "no status"
+    where = f", at {s['where']}" if s.get("where") else ""
+    ended = f"has ended {s['ended']} step(s)"
+    phase = s["phase"]
+    if s.get("hvd_join") and phase != "join":
+        return f"inside Horovod's own hvd.join(){where}, {ended}"
+    if s.get("in_horovod") and s["wait"] is None and phase == "train":
+        return f"inside a Horovod call for {s['for_s']:.0f} s{where}, {ended}"
+    if phase == "flush":
+        return f"in flush() for {s['for_s']:.0f} s, {ended}"
+    if phase == "join":
+        return f"in join() since step {s['joined_at']}"
+    if phase == "exit":
+        return f"exiting, {ended}"
+    if phase == "failed":
+        return f"stopped at an error: {s['error']}"
+    if s["wait"] is not None:
+        step, bucket, what, seconds = s["wait"]
+        return f"waiting {seconds:.0f} s for {what} of step {step}, {ended}"
+    return f"outside the pipeline for {s['for_s']:.0f} s{where}, {ended}"
+
+
+def _internal(path: str) -> bool:
+    return (path.startswith(_PACKAGE) or "site-packages" in path or "dist-packages" in path
+            or path.startswith(os.path.dirname(os.__file__)) or path.startswith("<"))
