@@ -295,9 +295,9 @@ class StallInspector:
             return None
         details = "; ".join(f"rank {r}: {_doing(statuses[r])}" for r in needing)
         return (f"this rank exits after {ended} step(s) while rank(s) {needing} still need its share of later steps "
-                f"({details}): it left the training loop without join(). When ranks have different numbers of "
-                "batches, call psgd.join() (pipesgd_hvd.torch.join()) on each rank once it runs out, instead of "
-                "leaving the loop; the other ranks stop with an error naming this rank")
+                f"({details}): it left the training loop early, after an error (see above) or without join(). When "
+                "ranks have different numbers of batches, call psgd.join() (pipesgd_hvd.torch.join()) on each rank "
+                "once it runs out, instead of leaving the loop; the other ranks stop with an error naming this rank")
 
     def _undecided(self, statuses: List[Optional[Dict[str, Any]]], ended: int) -> bool:
         """A rank at this rank's step count, between steps: it may begin the next step (and then
