@@ -8,6 +8,10 @@ rank (the engine guarantees it): MPI-style transports match them by order, Horov
 No wait is unbounded: a collective that does not complete within ``PIPESGD_TIMEOUT`` seconds
 (default :data:`DEFAULT_TIMEOUT_S`) raises :class:`PeerLostError`, and so does a transport that
 reports a broken connection. ``docs/reliability.md`` lists what each failure gives.
+
+Optional, where the transport can: ``status_board(namespace)`` (:mod:`.board`: where each rank
+says what it is doing, read by the stall inspector) and ``error_type`` (the PeerLostError
+subclass its failures raise).
 """
 from __future__ import annotations
 
@@ -71,7 +75,10 @@ class Communicator(Protocol):
     def alltoall_async(self, x: Tensor, name: str) -> Handle: ...
     def allgather_async(self, x: Tensor, name: str) -> Handle: ...
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        """Blocking: every rank's ``obj``, in rank order (for consistency checks).
+        """Blocking: every rank's ``obj``, in rank order (for consistency checks and states).
+
+        ``obj`` holds only what the typed encoding of :mod:`.wire` carries (no pickle: bytes from
+        the network never run code); a transport that crosses processes sends it that way.
 
         It must not be ordered with the tensor collectives (a separate MPI communicator or
         process group; Horovod matches by name anyway): the checks run while reductions are in

@@ -80,12 +80,13 @@ def step(t):
 for t in range(4):
     step(t)
 channel = opt._core.comm
-board = opt._core.inspector.board
 everyone = hvd.allgather_object(listening_ports(), name="foreign.ports")
 if rank == 0:
     store_port = channel._store.port
     listens = [a for a in everyone[0] if a.endswith(f":{store_port}")]
     assert listens == [f"{channel.address}:{store_port}"], f"the store listens on {listens}, not on the channel's address"
+board = opt._core.inspector.board
+if rank == 0:
     ports = sorted({int(a.rsplit(":", 1)[1]) for addresses in everyone for a in addresses})
     attack = subprocess.run([sys.executable, "-c", ATTACKER, channel.address, str(store_port),
                              f"board/{channel._prefix}/{board._ns}", marker, *map(str, ports)],
