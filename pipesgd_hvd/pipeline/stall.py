@@ -33,15 +33,14 @@ import concurrent.futures
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 from ..comm.base import PeerLostError, _seconds_from_env, default_timeout, exit_if_stuck
 from ..comm.board import BoardUnavailable, StatusBoard
-from .guards import StepCountMismatchError, _steps_message
+from . import rank_status as rules
 
 log = logging.getLogger("pipesgd_hvd.stall")
 
@@ -49,8 +48,6 @@ DEFAULT_CHECK_S = 60.0     # Horovod's HOROVOD_STALL_CHECK_TIME_SECONDS default
 PERIOD_S = 0.5             # the monitor's tick
 ASK_AFTER_S = 2.0          # a wait this old asks every rank for its status
 SLICE_S = 0.25             # how often a waiting training thread looks for a verdict
-HOROVOD_BLOCKED_S = 1.0    # a rank this long in one Horovod call after its step is blocked there
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CAUSES = ("a rank in flush(), join(), evaluation or checkpoint writing alone; uneven data per rank (call "
           "psgd.join() on a rank once it runs out of batches, instead of leaving the loop); or a lost peer")
@@ -207,7 +204,7 @@ class StallInspector:
                 if time.monotonic() - asked_at > self.settings.period_s:  # fresh news (how long in Horovod)
                     asked, asked_at = self._ask(), time.monotonic()
                 statuses = self._read()
-                outcome = self._flush_outcome(statuses, seq, ended)
+                outcome = rules.flush_outcome(statuses, self.rank, seq, ended, self.error_type)
                 if outcome is not None:
                     return outcome
                 if timeout is not None and time.monotonic() - started > timeout:
@@ -220,39 +217,6 @@ class StallInspector:
         finally:
             st.wait = None
             st.phase, st.since = "train", time.monotonic()
-
-    def _flush_outcome(self, statuses: List[Optional[Dict[str, Any]]], seq: int, ended: int) -> Optional[str]:
-        counts: List[int] = []
-        behind = False
-        for r, s in enumerate(statuses):
-            if r == self.rank:
-                counts.append(ended)
-                continue
-            if s is None:
-                return None
-            if s["phase"] == "join":
-                counts.append(ended)  # it takes part in whatever steps the others run (after its flush too)
-                continue
-            if s["flush"] is not None and s["flush"][0] == seq:  # (even if it failed since: it saw the same)
-                counts.append(s["flush"][1])
-                continue
-            if s["phase"] == "failed":
-                raise self.error_type(f"rank {r} stopped at an error while this rank was in flush(): {s['error']}")
-            if s["phase"] == "exit":
-                counts.append(s["ended"])
-                continue
-            wait = s["wait"]
-            blocked_here = wait is not None and wait[1] is not None and wait[0] >= ended
-            # A metric hvd.allreduce after its step waits in Horovod for this rank's join() instead.
-            blocked_in_horovod = wait is None and s["in_horovod"] and s["for_s"] >= HOROVOD_BLOCKED_S
-            if s["begun"] > ended and (blocked_here or blocked_in_horovod):
-                behind = True  # it ran a step this rank never will, and waits for this rank's share
-                counts.append(ended)
-                continue
-            return None  # still training toward its own flush(): wait for it
-        if len(set(counts)) > 1:
-            raise StepCountMismatchError(_steps_message(counts, "flush()"))
-        return "behind" if behind else "agreed"
 
     # -------------------------------------------------------------------------------- exit
     def check_at_exit(self, ended: int, grace: float = 5.0) -> Optional[str]:
@@ -268,8 +232,8 @@ class StallInspector:
             asked_at = started = time.monotonic()
             statuses = self._read()
             while True:
-                fresh = self._all_fresh(statuses, first)
-                if fresh and not self._undecided(statuses, ended):
+                fresh = rules.all_fresh(statuses, self.rank, first)
+                if fresh and not rules.undecided(statuses, self.rank, ended):
                     break
                 now = time.monotonic()
                 if now - started > (grace if fresh else 2 * self.settings.period_s + 1.0):
@@ -278,9 +242,7 @@ class StallInspector:
                     asked, asked_at = self._ask(), now
                 time.sleep(0.05)
                 statuses = self._read()
-            # (one that failed already counts: it may have stopped at this very exit)
-            needing = [r for r, s in enumerate(statuses)
-                       if r != self.rank and s is not None and s["phase"] != "exit" and s["begun"] > ended]
+            needing = rules.needing(statuses, self.rank, ended)
             if not needing:
                 return None
             # Until each of them has read this (its monitor lists this rank as gone), or the grace ends.
@@ -293,21 +255,11 @@ class StallInspector:
                 statuses = self._read()
         except BoardUnavailable:
             return None
-        details = "; ".join(f"rank {r}: {_doing(statuses[r])}" for r in needing)
+        details = "; ".join(f"rank {r}: {rules.doing(statuses[r])}" for r in needing)
         return (f"this rank exits after {ended} step(s) while rank(s) {needing} still need its share of later steps "
                 f"({details}): it left the training loop early, after an error (see above) or without join(). When "
                 "ranks have different numbers of batches, call psgd.join() (pipesgd_hvd.torch.join()) on each rank "
                 "once it runs out, instead of leaving the loop; the other ranks stop with an error naming this rank")
-
-    def _undecided(self, statuses: List[Optional[Dict[str, Any]]], ended: int) -> bool:
-        """A rank at this rank's step count, between steps: it may begin the next step (and then
-        need this rank's share) or flush (and not)."""
-        return any(r != self.rank and s is not None and s["phase"] == "train" and s["wait"] is None
-                   and s["begun"] == ended for r, s in enumerate(statuses))
-
-    def _all_fresh(self, statuses: List[Optional[Dict[str, Any]]], asked: int) -> bool:
-        return all(s is not None and (s["answers"] >= asked or s["phase"] in ("exit", "failed"))
-                   for r, s in enumerate(statuses) if r != self.rank)
 
     # -------------------------------------------------------------------------- monitor side
     def _ensure_started(self) -> None:
@@ -383,33 +335,17 @@ class StallInspector:
         error, or inside Horovod's own join. Sticky: such a rank does not come back."""
         if self.verdict is not None or step < 0:
             return
-        for r, s in enumerate(statuses):
-            if r == self.rank or s is None or s["ended"] > step:
-                continue
-            why = None
-            if s["phase"] == "exit":
-                why = (f"rank {r} is exiting after {s['ended']} step(s) while this rank waits for its share of step "
-                       f"{step}: it left the training loop without join() (uneven data per rank), or after an "
-                       "error (see its log). When ranks have different numbers of batches, call psgd.join() "
-                       "(pipesgd_hvd.torch.join()) on each rank once it runs out, instead of leaving the loop")
-            elif s["phase"] == "failed":
-                why = (f"rank {r} stopped at an error ({s['error']}); this rank waits for its share of step {step}, "
-                       f"which will never come. The first error in rank {r}'s log is the cause")
-            elif s["hvd_join"] and s["phase"] != "join":
-                why = (f"rank {r} is inside Horovod's own hvd.join() ({s['where']}) after {s['ended']} step(s), "
-                       f"while this rank waits for its share of step {step}: Horovod's join does not take part in "
-                       "the pipelined optimizer's steps. Call pipesgd_hvd.torch.join() instead (psgd.join(), or "
-                       "hvd.join() after `import pipesgd_hvd.torch as hvd`): it runs Horovod's join too")
-            if why is not None:
-                self.knows.append(r)
-                log.error(f"pipesgd_hvd: {why}")
-                self.verdict = self.error_type(why)
-                self._publish_quietly()
-                return
+        gone = rules.gone(statuses, self.rank, step)
+        if gone is not None:
+            rank, why = gone
+            self.knows.append(rank)
+            log.error(f"pipesgd_hvd: {why}")
+            self.verdict = self.error_type(why)
+            self._publish_quietly()
 
     def _say_if_in_horovod_join(self) -> None:
         st = self.status
-        where, in_join, _ = self._where()
+        where, in_join, _ = rules.where(self.status.thread)
         if in_join and st.phase not in ("join", "exit") and st.ended > 0:
             self._say_once("hvd.join", logging.ERROR, (
                 f"pipesgd_hvd: this rank is inside Horovod's own hvd.join() ({where}) after {st.ended} step(s) while "
@@ -442,7 +378,7 @@ class StallInspector:
 
     def _publish(self, answers: int) -> None:
         st, now = self.status, time.monotonic()
-        where, in_join, in_horovod = self._where()
+        where, in_join, in_horovod = rules.where(st.thread)
         wait = st.wait
         entry = {"rank": self.rank, "phase": st.phase, "begun": st.begun, "ended": st.ended,
                  "wait": [wait.step, wait.bucket, wait.what, round(now - wait.since, 1)] if wait else None,
@@ -452,23 +388,6 @@ class StallInspector:
         assert self.board is not None
         self.board.publish(entry)
         self._answered = max(self._answered, answers)
-
-    def _where(self) -> Tuple[Optional[str], bool, bool]:
-        """Where the training thread is (its innermost frame outside this package, the standard
-        library and installed packages), whether it is inside Horovod's own join, and whether it
-        is inside any Horovod call (a metric ``hvd.allreduce`` waits there for ranks that left)."""
-        ident = self.status.thread
-        frame = sys._current_frames().get(ident) if ident is not None else None
-        where, in_join, in_horovod = None, False, False
-        while frame is not None:
-            path = frame.f_code.co_filename
-            if f"{os.sep}horovod{os.sep}" in path:
-                in_horovod = True
-                in_join = in_join or frame.f_code.co_name == "join"
-            if where is None and not _internal(path):
-                where = f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
-            frame = frame.f_back
-        return where, in_join, in_horovod
 
     # -------------------------------------------------------------------------------- words
     def _stall_message(self, wait: Wait, waited: float) -> str:
@@ -496,9 +415,9 @@ class StallInspector:
                 parts.append(f"rank {r} (no status yet)")
             elif s["phase"] not in ("exit", "failed") and s["answers"] < asked:
                 parts.append(f"rank {r} (does not answer the status board: frozen, or its Python is blocked in a C "
-                             f"call; last seen {_doing(s)})")
+                             f"call; last seen {rules.doing(s)})")
             elif s["begun"] <= step or s["phase"] != "train":
-                parts.append(f"rank {r} ({_doing(s)})")
+                parts.append(f"rank {r} ({rules.doing(s)})")
         return ", ".join(parts) if parts else "every rank has begun this step (a transport problem, or a lost peer)"
 
 
@@ -512,33 +431,3 @@ class _Blocking:
 
     def __exit__(self, *exc: Any) -> None:
         self._inspector.status.wait = None
-
-
-def _doing(s: Optional[Dict[str, Any]]) -> str:
-    """One rank's status in words."""
-    if s is None:
-        return "no status"
-    where = f", at {s['where']}" if s.get("where") else ""
-    ended = f"has ended {s['ended']} step(s)"
-    phase = s["phase"]
-    if s.get("hvd_join") and phase != "join":
-        return f"inside Horovod's own hvd.join(){where}, {ended}"
-    if s.get("in_horovod") and s["wait"] is None and phase == "train":
-        return f"inside a Horovod call for {s['for_s']:.0f} s{where}, {ended}"
-    if phase == "flush":
-        return f"in flush() for {s['for_s']:.0f} s, {ended}"
-    if phase == "join":
-        return f"in join() since step {s['joined_at']}"
-    if phase == "exit":
-        return f"exiting, {ended}"
-    if phase == "failed":
-        return f"stopped at an error: {s['error']}"
-    if s["wait"] is not None:
-        step, bucket, what, seconds = s["wait"]
-        return f"waiting {seconds:.0f} s for {what} of step {step}, {ended}"
-    return f"outside the pipeline for {s['for_s']:.0f} s{where}, {ended}"
-
-
-def _internal(path: str) -> bool:
-    return (path.startswith(_PACKAGE) or "site-packages" in path or "dist-packages" in path
-            or path.startswith(os.path.dirname(os.__file__)) or path.startswith("<"))

@@ -13,7 +13,6 @@ a pickled object; then it sends random bytes and a pickled object
 listens on. The job must finish unaffected: equal replicas, the forged entry refused (counted),
 the file absent. Prints ``PASS rank<r> foreign-<codec>``.
 """
-import json
 import os
 import subprocess
 import sys
