@@ -231,14 +231,15 @@ def test_a_rank_inside_horovods_own_join_is_named(tmp_path):
 
 # ------------------------------------------------------------------ the rules on board entries
 def entry(**kw):
-    base = {"phase": "train", "begun": 6, "ended": 6, "wait": None, "flush": None, "in_horovod": False,
+    base = {"phase": "train", "begun": 6, "ended": 6, "wait": None, "flushes": [], "in_horovod": False,
             "hvd_join": False, "for_s": 0.0, "where": "train.py:9 in main", "answers": 1, "error": None,
             "joined_at": None, "knows": []}
     return {**base, **kw}
 
 
 @pytest.mark.parametrize("other, outcome", [
-    (entry(phase="flush", flush=[1, 6]), "agreed"),                              # both flush at step 6
+    (entry(phase="flush", flushes=[[1, 6]]), "agreed"),                          # both flush at step 6
+    (entry(phase="flush", flushes=[[1, 6], [2, 6]]), "agreed"),                  # agreed, and in its next flush()
     (entry(phase="join", joined_at=3), "agreed"),                                # it serves whatever steps run
     (entry(begun=8, ended=7, wait=[6, 0, "the reduction", 1.0]), "behind"),      # blocked on our step 6
     (entry(begun=8, ended=8, in_horovod=True, for_s=1.5), "behind"),             # its metric waits for our join
@@ -256,12 +257,12 @@ def test_flush_at_different_counts_and_a_failed_rank_raise():
     from pipesgd_hvd.pipeline import rank_status
     from pipesgd_hvd.pipeline.guards import StepCountMismatchError
     with pytest.raises(StepCountMismatchError, match=r"rank 0: 6, rank 1: 9"):
-        rank_status.flush_outcome([None, entry(phase="flush", flush=[1, 9])], 0, 1, 6, PeerLostError)
+        rank_status.flush_outcome([None, entry(phase="flush", flushes=[[1, 9]])], 0, 1, 6, PeerLostError)
     with pytest.raises(PeerLostError, match="rank 1 stopped at an error while this rank was in flush"):
         rank_status.flush_outcome([None, entry(phase="failed", error="boom")], 0, 1, 6, PeerLostError)
     # a rank that failed after agreeing (it saw the same mismatch first) still counts with its step
     with pytest.raises(StepCountMismatchError):
-        rank_status.flush_outcome([None, entry(phase="failed", flush=[1, 9])], 0, 1, 6, PeerLostError)
+        rank_status.flush_outcome([None, entry(phase="failed", flushes=[[1, 9]])], 0, 1, 6, PeerLostError)
 
 
 def test_who_can_never_come_and_who_needs_an_exiting_rank():

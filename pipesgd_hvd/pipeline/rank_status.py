@@ -2,8 +2,8 @@
 
 Pure functions of the entries every rank publishes (:mod:`pipesgd_hvd.comm.board`; the fields are
 those :meth:`~pipesgd_hvd.pipeline.stall.StallInspector._publish` writes: ``phase``, ``begun``,
-``ended``, ``wait`` = [step, bucket, what, seconds], ``flush`` = [count of flush() calls, steps at
-the last], ``in_horovod``, ``hvd_join``, ``where``, ``for_s``, ``answers``, ``knows``), so that
+``ended``, ``wait`` = [step, bucket, what, seconds], ``flushes`` = [[flush() number, steps ended],
+...] of the last few, ``in_horovod``, ``hvd_join``, ``where``, ``for_s``, ``answers``, ``knows``), so that
 every rank reading the same entries decides the same, and each rule is tested on its own. Plus
 :func:`where`, which says where a thread is.
 """
@@ -39,8 +39,12 @@ def flush_outcome(entries: Sequence[Entry], me: int, seq: int, ended: int,
         if s["phase"] == "join":
             counts.append(ended)  # (after its own flush() too)
             continue
-        if s["flush"] is not None and s["flush"][0] == seq:  # even if it failed since: it saw the same
-            counts.append(s["flush"][1])
+        theirs = dict((n, count) for n, count in s["flushes"])
+        if seq in theirs:  # even if it failed or flushed again since: it saw the same
+            counts.append(theirs[seq])
+            continue
+        if s["flushes"] and s["flushes"][0][0] > seq:  # long past this flush(): it agreed or went behind
+            counts.append(ended)
             continue
         if s["phase"] == "failed":
             raise error_type(f"rank {r} stopped at an error while this rank was in flush(): {s['error']}")

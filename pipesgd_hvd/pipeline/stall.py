@@ -48,6 +48,7 @@ DEFAULT_CHECK_S = 60.0     # Horovod's HOROVOD_STALL_CHECK_TIME_SECONDS default
 PERIOD_S = 0.5             # the monitor's tick
 ASK_AFTER_S = 2.0          # a wait this old asks every rank for its status
 SLICE_S = 0.25             # how often a waiting training thread looks for a verdict
+FLUSHES_KEPT = 4           # past flush() calls each rank's entry lists
 
 CAUSES = ("a rank in flush(), join(), evaluation or checkpoint writing alone; uneven data per rank (call "
           "psgd.join() on a rank once it runs out of batches, instead of leaving the loop); or a lost peer")
@@ -88,7 +89,7 @@ class _Status:
     ended: int = 0                        # steps ended
     wait: Optional[Wait] = None
     since: float = field(default_factory=time.monotonic)
-    flush: Optional[Tuple[int, int]] = None  # (how many flush() calls, steps ended at the last one)
+    flushes: List[Tuple[int, int]] = field(default_factory=list)  # (flush() number, steps ended), the last few
     joined_at: Optional[int] = None
     error: Optional[str] = None
     thread: Optional[int] = None          # the training thread (where it is, for the others)
@@ -114,6 +115,7 @@ class StallInspector:
         self._thread: Optional[threading.Thread] = None
         self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._answered = -1          # the last request this rank answered
+        self._dirty = False          # a change the monitor must publish without being asked
         self._asked: Optional[Tuple[int, float]] = None  # (request number, when) of this wait's question
         self._warned = 0
         self._said: set = set()
@@ -150,8 +152,12 @@ class StallInspector:
             self._publish_quietly()
 
     def failed(self, exc: BaseException) -> None:
+        """This rank's pipeline stopped at ``exc``: published by the monitor at its next tick, not
+        here (the store may be what failed, and this thread is about to raise)."""
         if self.status.phase != "failed":
-            self.set_phase("failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            self.set_phase("failed", publish=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            self._dirty = True
+            self._ensure_started()
 
     def wait(self, reduction: Any, step: int, bucket: Optional[int], what: str) -> Any:
         """``reduction.wait()``, but a verdict (a peer that can never come, a stall shutdown)
@@ -191,9 +197,23 @@ class StallInspector:
         the transport's error when a rank stopped or the timeout passes."""
         assert self.board is not None
         st = self.status
-        seq = (st.flush[0] + 1) if st.flush else 1
-        self.set_phase("flush", publish=False, flush=(seq, ended))
+        seq = (st.flushes[-1][0] + 1) if st.flushes else 1
+        before = (st.phase, st.since)  # (a joined rank flushes at an auto check and stays joined)
+        # A few past ones too: a rank that agreed may be in its next flush() before the others read it.
+        self.set_phase("flush", publish=False, flushes=(st.flushes + [(seq, ended)])[-FLUSHES_KEPT:])
         self._ensure_started()
+        try:
+            return self._agree_at_flush(seq, ended, timeout)
+        except BoardUnavailable as exc:
+            raise self.error_type(f"flush() cannot agree on step counts: {exc}; rank 0, which serves the pipeline's "
+                                  "store, is frozen or lost") from None
+        finally:
+            st.wait = None
+            st.phase = before[0]
+            st.since = time.monotonic() if before[0] == "train" else before[1]
+
+    def _agree_at_flush(self, seq: int, ended: int, timeout: Optional[float]) -> str:
+        st = self.status
         asked = self._ask()
         timeout = timeout if timeout is not None else default_timeout()
         started = time.monotonic()
@@ -216,7 +236,6 @@ class StallInspector:
                 pause = min(pause * 2, 0.05)
         finally:
             st.wait = None
-            st.phase, st.since = "train", time.monotonic()
 
     # -------------------------------------------------------------------------------- exit
     def check_at_exit(self, ended: int, grace: float = 5.0) -> Optional[str]:
@@ -272,6 +291,21 @@ class StallInspector:
                 return
             self._thread = threading.Thread(target=self._run, name=f"pipesgd-stall-{self.name}", daemon=True)
             self._thread.start()
+        # Stopped as interpreter exit begins (the hook concurrent.futures uses; Python's own API,
+        # underscored): a daemon thread inside a store call while the interpreter tears the
+        # store down would abort the process.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            try:
+                register(self._stop_at_exit)
+            except RuntimeError:  # exit has begun
+                self._stop.set()
+
+    def _stop_at_exit(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2 * self.settings.period_s + 6.0)  # a store call waits 5 s at most
 
     def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._waiter is None:
@@ -299,6 +333,9 @@ class StallInspector:
         board, st = self.board, self.status
         if board is not None:
             request = board.requests()
+            if self._dirty:
+                self._dirty = False
+                self._publish(max(self._answered, 0))
             if request != self._answered:  # someone asked: look, judge what can be judged, answer
                 self._statuses = self._read()
                 self._judge(self._statuses, self._need())
@@ -383,7 +420,7 @@ class StallInspector:
         entry = {"rank": self.rank, "phase": st.phase, "begun": st.begun, "ended": st.ended,
                  "wait": [wait.step, wait.bucket, wait.what, round(now - wait.since, 1)] if wait else None,
                  "for_s": round(now - st.since, 1), "where": where, "hvd_join": in_join, "in_horovod": in_horovod,
-                 "flush": list(st.flush) if st.flush else None, "joined_at": st.joined_at, "error": st.error,
+                 "flushes": [list(f) for f in st.flushes], "joined_at": st.joined_at, "error": st.error,
                  "knows": list(self.knows), "answers": answers, "host": socket.gethostname(), "pid": os.getpid()}
         assert self.board is not None
         self.board.publish(entry)

@@ -37,7 +37,7 @@ class Boom:
 
 store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=10))
 forged = {"rank": 1, "phase": "exit", "begun": 0, "ended": 0, "wait": None, "for_s": 0, "where": None,
-          "hvd_join": False, "in_horovod": False, "flush": None, "joined_at": None, "error": None,
+          "hvd_join": False, "in_horovod": False, "flushes": [], "joined_at": None, "error": None,
           "knows": [], "answers": 10 ** 6, "host": "evil", "pid": 1}
 for key in store.list_keys() if hasattr(store, "list_keys") else []:
     if not key.endswith("/requests"):
