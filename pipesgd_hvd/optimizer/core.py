@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
@@ -54,9 +56,6 @@ def end_process(message: str) -> None:
     """Prints ``message`` and ends the process with status 1 at once (at interpreter exit, where
     nothing can be raised any more; the transport's own shutdown is skipped: the ranks it would
     wait for are stopping with an error)."""
-    import os
-    import sys
-
     sys.stdout.flush()
     sys.stderr.write(message + "\n")
     sys.stderr.flush()
@@ -86,7 +85,7 @@ class OptimizerCore(PipelineLifecycle):
         self._stepped = False            # a pipelined step has happened
         self.should_synchronize = True   # False inside skip_synchronize()
         self._resume_checked = False     # the ranks compared their pipeline state since the last load
-        self._last_applied: Optional[AppliedStep] = None  # the latest step applied (its membership flags)
+        self._last_membership: Optional[Callable[[], List[bool]]] = None  # of the latest step applied
         self._agreed_at: Optional[int] = None  # steps ended at the last flush() every rank agreed on
         self._watched: Sequence[int] = ()  # the tensors whose gradients the hooks report
         adapter.watch_gradients(self.gradient_ready)
@@ -374,15 +373,16 @@ class OptimizerCore(PipelineLifecycle):
         self._agreed_at = self.engine.step  # every rank has joined: nobody needs this rank's share
         # The last to join: those training at the latest step anyone trained (the same step, hence
         # the same answer, on every rank).
-        training = self._last_applied.training() if self._last_applied is not None else None
+        training = self._last_membership() if self._last_membership is not None else None
         return max(r for r, t in enumerate(training) if t) if training and any(training) else self.comm.rank
 
     def _note_training(self, steps: Sequence[AppliedStep]) -> None:
-        """Keeps the latest applied step, whose membership flags join() reads (lazily: reading
-        them is a device sync on a GPU). A training rank's own flag is set at every step it runs,
-        so that step had someone training."""
-        if steps:
-            self._last_applied = steps[-1]
+        """Keeps how to read the latest applied step's membership flags, for join() (lazily:
+        reading them is a device sync on a GPU; not the step itself, whose gradients it would
+        keep alive). A training rank's own flag is set at every step it runs, so that step had
+        someone training."""
+        if steps and steps[-1].membership is not None:
+            self._last_membership = steps[-1].membership
 
     # ------------------------------------------------- staleness corrections (staleness/corrections.py)
     def _corrected(self, step: int, applied: List[AppliedStep]) -> List[AppliedStep]:
