@@ -146,3 +146,14 @@ def test_no_pickle_reads_network_data_anywhere_in_the_package():
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if banned.search(line) and not line.strip().startswith("#")]
     assert not found, found
+
+
+def test_eager_tensorflow_values_cross_as_numpy():
+    """Keras's elastic sync sends its optimizer's variables and codec state (tf.Variable)."""
+    tf = pytest.importorskip("tensorflow")
+    state = {"residual": tf.Variable(tf.ones((2, 3))), "step": tf.constant(7, tf.int64),
+             "bf16": tf.constant([1.5, -2.0], tf.bfloat16)}
+    back = wire.decode(wire.encode(state))
+    assert back["residual"].dtype == np.float32 and np.array_equal(back["residual"], np.ones((2, 3)))
+    assert back["step"] == 7 and back["step"].dtype == np.int64
+    assert back["bf16"].dtype.name == "bfloat16" and back["bf16"].astype(np.float32).tolist() == [1.5, -2.0]

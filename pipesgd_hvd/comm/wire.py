@@ -10,8 +10,10 @@ kinds of things: step counts, settings, checksums, measurements, and checkpoint-
   ``list``; tagged objects for what JSON lacks: ``{"tuple": [...]}``, ``{"dict": [[key, value],
   ...]}`` (any encodable hashable keys: a torch ``state_dict`` has int keys), ``{"bytes": i}``;
 * raw little-endian bytes for arrays, after the JSON: ``{"ndarray": i, "dtype": "float32",
-  "shape": [2, 3]}`` (numpy arrays and scalars) and ``{"tensor": i, ...}`` (torch tensors, moved
-  to the host; decoded as CPU tensors: the engine moves them back to their parameter's device).
+  "shape": [2, 3]}`` (numpy arrays and scalars, ml_dtypes' bfloat16 too; eager TensorFlow tensors
+  and variables go as numpy arrays and come back so) and ``{"tensor": i, ...}`` (torch tensors,
+  moved to the host; decoded as CPU tensors: the engine moves them back to their parameter's
+  device).
 
 Anything else is refused with a :class:`TypeError` that names where it sits (``at ['state'][0]``)
 and what to convert it to. Decoding checks everything it reads (magic, lengths, tags, dtypes,
@@ -114,6 +116,9 @@ def _encode(obj: Any, buffers: List[bytes], where: str, depth: int) -> Any:
     torch = sys.modules.get("torch")  # a torch tensor can only exist if torch is imported
     if torch is not None and isinstance(obj, torch.Tensor):
         return _encode_tensor(torch, obj, buffers, where)
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(obj, (tf.Tensor, tf.Variable)):  # eager values: they come back numpy
+        return _encode(obj.numpy(), buffers, where, depth)
     if isinstance(obj, list):
         return [_encode(v, buffers, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):  # torch.Size too: it comes back a tuple
@@ -125,6 +130,8 @@ def _encode(obj: Any, buffers: List[bytes], where: str, depth: int) -> Any:
 
 
 def _numpy_array(array: np.ndarray, obj: Any, where: str) -> np.ndarray:
+    if array.dtype.name == "bfloat16":  # ml_dtypes' (TensorFlow's, Keras's): its raw bytes
+        return np.ascontiguousarray(array) if array.ndim else array.copy()
     if array.dtype.name not in _NUMPY_DTYPES:
         raise _refuse(obj, where, f"dtype {array.dtype} is not one of {', '.join(_NUMPY_DTYPES)}")
     # (not ascontiguousarray: it makes a 0-d array 1-d)
@@ -230,12 +237,12 @@ class _Decoder:
     def _numpy(self, node: Dict[str, Any]) -> Any:
         scalar = "npscalar" in node
         keys = {"npscalar", "dtype"} if scalar else {"ndarray", "dtype", "shape"}
-        dtype, shape = self._shape(node, _NUMPY_DTYPES, keys)
+        dtype, shape = self._shape(node, _NUMPY_DTYPES + ("bfloat16",), keys)
         raw = self._buffer(node["npscalar" if scalar else "ndarray"])
-        item = np.dtype(dtype).newbyteorder("<")
+        item = _bfloat16() if dtype == "bfloat16" else np.dtype(dtype).newbyteorder("<")
         if len(raw) != item.itemsize * _count(shape):
             raise WireError(f"received a {dtype} array of shape {shape} with {len(raw)} bytes")
-        array = np.frombuffer(raw, dtype=item).reshape(shape).astype(np.dtype(dtype), copy=True)
+        array = np.frombuffer(raw, dtype=item).reshape(shape).astype(item.newbyteorder("="), copy=True)
         return array[()] if scalar else array
 
     def _tensor(self, node: Dict[str, Any]) -> Any:
@@ -252,6 +259,15 @@ class _Decoder:
         if not len(raw):
             return torch.empty(shape, dtype=torch_dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch_dtype).reshape(shape)
+
+
+def _bfloat16() -> np.dtype:
+    try:
+        import ml_dtypes  # installed with TensorFlow and JAX
+    except ImportError:
+        raise WireError("received a numpy bfloat16 array, but ml_dtypes (which numpy needs for it) is not "
+                        "installed here") from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def _count(shape: Tuple[int, ...]) -> int:
