@@ -33,6 +33,9 @@ from threads import run_threads
 CODECS = ["none", "fp16", "bf16", "truncate16", "int8", "int4"]
 
 
+SECRET = b"0123456789abcdef-the-jobs-secret"  # what rank 0 makes and Horovod's broadcast carries
+
+
 def device_ops(size):
     """A table whose tensors are all on (fake) cuda:1, but for the membership flags (a float32
     vector of one value per rank): no test tensor here has that shape."""
@@ -50,8 +53,8 @@ def run_ranks(size, fn, *, ops, factory, channel_timeout=30.0, timeout=90):
 
     def target(rank):
         try:
-            channel = PipelineChannel(stores[rank], rank, size, address="127.0.0.1", timeout=channel_timeout, ops=ops,
-                                      device_group=factory)
+            channel = PipelineChannel(stores[rank], rank, size, address="127.0.0.1", secret=SECRET,
+                                      timeout=channel_timeout, ops=ops, device_group=factory)
             comms[rank] = OrderedCommunicator(channel, ops)
             results[rank] = fn(rank, comms[rank])
         except BaseException as exc:  # noqa: BLE001 - handed to the test below

@@ -12,7 +12,7 @@ import torch
 
 from fake_cuda import FakeCuda
 from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.compression import Compression, Quantize, Truncate, device_kernels, kernels, resolve_compression
+from pipesgd_hvd.compression import Quantize, Truncate, device_kernels, kernels, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.ops.torch import TorchOps
 from threads import run_threads

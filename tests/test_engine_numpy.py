@@ -14,7 +14,7 @@ import pytest
 
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
-from pipesgd_hvd.compression.allreduce import compressed_allreduce
+from pipesgd_hvd.compression.allreduce import compressed_allreduce, side_region
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.optimizer.core import OptimizerCore
 from pipesgd_hvd.optimizer.options import PipelineOptions
@@ -281,8 +281,13 @@ def test_byte_codec_buckets_are_reduced_where_they_lie(codec):
             averaged = {}
             for b in buckets:  # each bucket's members in their order, bare: the all-reduce pads them
                 flat = np.concatenate([grads[t, rank, m.index].reshape(-1) for m in b.members])
+                numel = None
+                if b is buckets[-1]:  # the last one carries the membership flags, in a block of their own
+                    at, numel = side_region(reducer, b.numel, SIZE, SIZE)
+                    flat = np.concatenate([flat, np.zeros(numel - b.numel, np.float32)])
+                    flat[at + rank] = 1.0
                 reduced, _ = compressed_allreduce(ops, comm, reducer, flat, name=f"{t}.{b.index}", key=f"b{b.index}",
-                                                  seed=0)
+                                                  seed=0, numel=numel)
                 averaged.update({m.index: reduced[m.offset:m.offset + m.numel].reshape(SHAPES[m.index])
                                  for m in b.members})
             out.append(averaged)

@@ -3,12 +3,15 @@ bitwise the plain rule with the hierarchical reference's averages (no engine cod
 reference); what each value of the argument does; errors that name the fix."""
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 import pipesgd_hvd.torch as psgd
 from allreduce_reference import hierarchical_reference
 from pipesgd_hvd.comm.topology import LocalCluster, resolve_topology
+from pipesgd_hvd.compression import resolve_compression
+from pipesgd_hvd.compression.allreduce import side_region
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from reference import loss_fn, make_batches, make_model
 
@@ -47,6 +50,19 @@ def train(cluster, name, hierarchical, width=2, steps=STEPS):
     return results, batches
 
 
+def flagged(inputs, name):
+    """Each rank's values with the membership flags the engine carries in a step's last bucket
+    (here the first tensor's: buckets go in reverse order), in a codec block of their own."""
+    size, n = len(inputs), inputs[0].size
+    at, length = side_region(resolve_compression(name), n, size, size)
+    out = []
+    for rank, values in enumerate(inputs):
+        row = np.zeros(length, np.float32)
+        row[:n], row[at + rank] = values, 1.0  # every rank trains
+        out.append(row)
+    return out
+
+
 def reference(name, hosts, per_host, batches, width=2, steps=STEPS):
     """Plain SGD under the width-K rule; each step's average is hierarchical_reference's, tensor by
     tensor (fusion_threshold_mb=0: one bucket per tensor), with error feedback by hand."""
@@ -62,8 +78,8 @@ def reference(name, hosts, per_host, batches, width=2, steps=STEPS):
                 loss_fn(model, batches[t][rank]).backward()
                 per_rank.append([p.grad.detach().reshape(-1).numpy().copy() for p in params])
             pending.append([torch.from_numpy(hierarchical_reference(
-                name, [g[i] for g in per_rank], hosts, per_host, residuals[i])).reshape(p.shape)
-                for i, p in enumerate(params)])
+                name, flagged([g[i] for g in per_rank], name) if i == 0 else [g[i] for g in per_rank], hosts, per_host,
+                residuals[i])[:p.numel()]).reshape(p.shape) for i, p in enumerate(params)])
         if len(pending) == width or (t >= steps and pending):
             with torch.no_grad():
                 for p, g in zip(params, pending.pop(0)):

@@ -159,7 +159,8 @@ def test_node_groups_are_built_on_the_shared_channel(monkeypatch):
 
     def rank_fn(rank):
         ranks[threading.get_ident()] = rank
-        comm = OrderedCommunicator(PipelineChannel(stores[rank], rank, 2, address="127.0.0.1", timeout=30.0), TORCH_OPS)
+        comm = OrderedCommunicator(PipelineChannel(stores[rank], rank, 2, address="127.0.0.1", secret=b"0123456789abcdef-the-jobs-secret",
+                                                   timeout=30.0), TORCH_OPS)
         try:
             groups = resolve_topology(True, comm, name="t.topology")
             results[rank] = (type(groups.local).__name__, groups.local.size, groups.cross.size,

@@ -5,6 +5,7 @@ The multi-process tests (tests/test_pipeline_channel.py) compare it with Horovod
 peers; these are the quick tier.
 """
 import datetime
+import re
 import socket
 import threading
 import time
@@ -15,13 +16,15 @@ import torch.distributed as dist
 
 from pipesgd_hvd.comm import addresses
 from pipesgd_hvd.comm.base import PeerLostError, ReduceOp
-from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
+from pipesgd_hvd.comm.pipeline_channel import ForeignPeerError, PipelineChannel
 
 SIZE = 2
+SECRET = b"0123456789abcdef-the-jobs-secret"  # what rank 0 makes and Horovod's broadcast carries
 
 
-def run_pair(fn, timeout=60, channel_timeout=30.0):
-    """``fn(rank, channel)`` on 2 threads, each with its own channel; returns the results."""
+def run_pair(fn, timeout=60, channel_timeout=30.0, secrets=(SECRET, SECRET)):
+    """``fn(rank, channel)`` on 2 threads, each with its own channel (built with ``secrets[rank]``);
+    returns the results and the errors."""
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)
     stores = [server, dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))]
@@ -29,7 +32,8 @@ def run_pair(fn, timeout=60, channel_timeout=30.0):
 
     def target(rank):
         try:
-            channel = PipelineChannel(stores[rank], rank, SIZE, address="127.0.0.1", timeout=channel_timeout)
+            channel = PipelineChannel(stores[rank], rank, SIZE, address="127.0.0.1", secret=secrets[rank],
+                                      timeout=channel_timeout)
             results[rank] = fn(rank, channel)
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread below
             errors.append((rank, exc))
@@ -69,6 +73,29 @@ def test_collectives_match_plain_references():
         # Horovod's AVERAGE: sum of prescaled values, times postscale / size (exact in binary here).
         assert torch.equal(averaged, (inputs[0] * 0.5 + inputs[1] * 0.5) * (4.0 / SIZE))
         assert objs == [{"r": r, "blob": "x" * (r * 1000)} for r in range(SIZE)]
+
+
+def test_a_peer_without_the_jobs_secret_is_refused():
+    """Someone in a rank's place at the rendezvous (here: a "rank" that knows the store but not the
+    secret) is refused on every side before any byte it sends is used (issue 32)."""
+    results, errors = run_pair(lambda rank, ch: True, secrets=(SECRET, b"not-the-jobs-secret-but-as-long"))
+    assert sorted(rank for rank, _ in errors) == [0, 1], errors
+    for rank, exc in errors:
+        assert isinstance(exc, ForeignPeerError), exc
+        assert re.search(rf"connection\(s\) to rank\(s\) \[{1 - rank}\] did not prove this job's secret: they do not "
+                         r"lead to a rank of this job", str(exc)), exc
+
+
+def test_objects_are_gathered_in_the_typed_encoding_with_their_senders_mac():
+    def body(rank, ch):
+        with pytest.raises(TypeError, match="cannot send a builtins.set between ranks"):
+            ch.allgather_object({1, 2}, "bad")  # refused before anything is sent
+        return ch.allgather_object({"step": rank, "w": torch.arange(3.0) + rank}, "ok")
+
+    results, errors = run_pair(body)
+    assert not errors, errors
+    for got in results:
+        assert [g["step"] for g in got] == [0, 1] and torch.equal(got[1]["w"], torch.arange(3.0) + 1)
 
 
 def test_handles_report_done_and_results_stay_valid():
@@ -134,10 +161,10 @@ def test_a_peer_that_closes_its_channel_ends_the_others_wait_at_once():
 DYING_RANK = """
 import datetime, os, signal, sys, time
 import torch, torch.distributed as dist
-from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
+from pipesgd_hvd.comm.pipeline_channel import ForeignPeerError, PipelineChannel
 port, how = int(sys.argv[1]), sys.argv[2]
 store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
-ch = PipelineChannel(store, 2, 3, address="127.0.0.1", timeout=30.0)
+ch = PipelineChannel(store, 2, 3, address="127.0.0.1", secret=b"0123456789abcdef-the-jobs-secret", timeout=30.0)
 x = torch.full((1, 64), 2.0)
 for _ in range(2):
     ch.allgather_async(x, "ag").wait()
@@ -172,7 +199,7 @@ def test_a_killed_peer_ends_every_survivors_wait_within_seconds(how):
     outcome = {}
 
     def survivor(rank):
-        channel = PipelineChannel(stores[rank], rank, 3, address="127.0.0.1", timeout=timeout)
+        channel = PipelineChannel(stores[rank], rank, 3, address="127.0.0.1", secret=SECRET, timeout=timeout)
         x = torch.full((1, 64), float(rank))
         for round_ in range(4):
             if rank == 1 and round_ == 2:

@@ -8,6 +8,10 @@ rank (the engine guarantees it): MPI-style transports match them by order, Horov
 No wait is unbounded: a collective that does not complete within ``PIPESGD_TIMEOUT`` seconds
 (default :data:`DEFAULT_TIMEOUT_S`) raises :class:`PeerLostError`, and so does a transport that
 reports a broken connection. ``docs/reliability.md`` lists what each failure gives.
+
+Optional, where the transport can: ``status_board(namespace)`` (:mod:`.board`: where each rank
+says what it is doing, read by the stall inspector) and ``error_type`` (the PeerLostError
+subclass its failures raise).
 """
 from __future__ import annotations
 
@@ -71,7 +75,10 @@ class Communicator(Protocol):
     def alltoall_async(self, x: Tensor, name: str) -> Handle: ...
     def allgather_async(self, x: Tensor, name: str) -> Handle: ...
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        """Blocking: every rank's ``obj``, in rank order (for consistency checks).
+        """Blocking: every rank's ``obj``, in rank order (for consistency checks and states).
+
+        ``obj`` holds only what the typed encoding of :mod:`.wire` carries (no pickle: bytes from
+        the network never run code); a transport that crosses processes sends it that way.
 
         It must not be ordered with the tensor collectives (a separate MPI communicator or
         process group; Horovod matches by name anyway): the checks run while reductions are in
@@ -105,18 +112,26 @@ def default_timeout() -> Optional[float]:
 
 
 def exit_if_stuck(reason: str) -> None:
-    """Called at interpreter exit after a lost peer: ends the process with status 1 if exit has
-    not finished ``PIPESGD_EXIT_GRACE`` seconds (default :data:`DEFAULT_EXIT_GRACE_S`) later.
+    """Called after a lost peer (at the error, or at interpreter exit): ends the process with
+    status 1 if it has not exited ``PIPESGD_EXIT_GRACE`` seconds (default
+    :data:`DEFAULT_EXIT_GRACE_S`) after its exit began.
 
     Why: after the error, Python's exit runs the transport's own shutdown (Horovod registers
     one), which can wait forever for the peer that is gone (MPI) or for its own timeout (Gloo,
-    30 s), and a rank that never exits is a hang. torch.distributed's NCCL watchdog ends the
-    process for the same reason. A daemon thread: it does not itself keep the process alive."""
+    30 s), and a rank that never exits is a hang. Before any atexit handler, it also joins the
+    worker threads of ``concurrent.futures``, and a pipeline thread may still be blocked in a
+    receive from a peer that will never send (one that is alive but in Horovod's own join): so
+    the countdown starts when interpreter exit begins, and may be armed as soon as the error is
+    raised. torch.distributed's NCCL watchdog ends the process for the same reason. A daemon
+    thread: it does not itself keep the process alive."""
     grace = _seconds_from_env("PIPESGD_EXIT_GRACE", DEFAULT_EXIT_GRACE_S)
     if grace is None:
         return
 
+    exiting = threading.Event()
+
     def end() -> None:
+        exiting.wait()
         time.sleep(grace)
         sys.stderr.write(f"pipesgd_hvd: {reason}; the transport did not shut down within {grace:.0f} s "
                          "(PIPESGD_EXIT_GRACE), ending the process with status 1\n")
@@ -124,6 +139,15 @@ def exit_if_stuck(reason: str) -> None:
         sys.stdout.flush()
         os._exit(1)
 
+    # The hook concurrent.futures uses to join its threads at exit; registered later, it runs first.
+    # (Python's own API, underscored; if it is gone, or exit has begun, count from now.)
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading atexit hook")
+        register(exiting.set)
+    except RuntimeError:  # "can't register atexit after shutdown": called at exit
+        exiting.set()
     threading.Thread(target=end, name="pipesgd-exit-guard", daemon=True).start()
 
 

@@ -10,8 +10,10 @@ import re
 from typing import Any, List
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
+from . import wire
 from .base import DoneHandle, ReduceOp
 
 _HVD_OPS = {ReduceOp.SUM: hvd.Sum, ReduceOp.AVERAGE: hvd.Average}
@@ -53,4 +55,23 @@ class HorovodTensorFlowCommunicator:
         return DoneHandle(tf.reshape(out, (self.size * int(x.shape[0]),) + tuple(x.shape[1:])))
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        return list(hvd.allgather_object(obj, name=op_name(name)))
+        # Eager only. Not hvd.allgather_object: it unpickles what it receives. Sizes, then the
+        # bytes of the typed encoding (wire.py); Horovod's allgather takes rows of any length.
+        data = tf.constant(np.frombuffer(wire.encode(obj), dtype=np.uint8))
+        sizes = hvd.allgather(tf.constant([int(data.shape[0])], dtype=tf.int64), name=op_name(f"{name}.sz")).numpy()
+        gathered = hvd.allgather(data, name=op_name(f"{name}.data")).numpy().tobytes()
+        out, offset = [], 0
+        for size in sizes.tolist():
+            out.append(wire.decode(gathered[offset:offset + size]))
+            offset += size
+        return out
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Any = None) -> Any:
+    """``hvd.broadcast_object`` in the typed encoding of :mod:`.wire` (Horovod's own unpickles what
+    it receives); eager. Horovod's elastic ``ObjectState`` takes it as its ``bcast_object``."""
+    name = op_name(name or "pipesgd.broadcast_object")
+    data = wire.encode(obj) if hvd.rank() == root_rank else b""
+    size = int(hvd.broadcast(tf.constant([len(data)], dtype=tf.int64), root_rank, name=f"{name}.sz").numpy()[0])
+    buffer = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(size, dtype=np.uint8)
+    return wire.decode(hvd.broadcast(tf.constant(buffer), root_rank, name=name).numpy().tobytes())

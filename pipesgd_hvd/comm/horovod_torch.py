@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any, Callable, List, Optional, TypeVar
 
 import horovod.torch as hvd
@@ -10,6 +9,7 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 
 from ..ops.torch import TORCH_OPS
+from . import wire
 from .base import PeerLostError, PolledHandle, ReduceOp, default_timeout
 
 _HVD_OPS = {ReduceOp.SUM: hvd.Sum, ReduceOp.AVERAGE: hvd.Average}
@@ -120,14 +120,19 @@ class HorovodTorchCommunicator:
         handle = _translated(lambda: hvd.allgather_async(x, name=name), what)
         return self._handle(handle, what)
 
+    @property
+    def error_type(self) -> type:
+        return HorovodPeerLostError
+
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        # hvd.allgather_object blocks in synchronize() with no timeout; the same two allgathers
-        # (sizes, then the bytes, whose first dimension may differ per rank) through polled handles.
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        # hvd.allgather_object blocks in synchronize() with no timeout and unpickles what it
+        # receives: the same two allgathers (sizes, then the bytes, whose first dimension may differ
+        # per rank) of the typed encoding (wire.py), through polled handles.
+        data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
         sizes = self.allgather_async(torch.tensor([data.numel()], dtype=torch.int64), f"{name}.sz").wait()
         gathered = self.allgather_async(data, f"{name}.data").wait()
         out, offset = [], 0
         for size in sizes.tolist():
-            out.append(pickle.loads(gathered[offset:offset + size].numpy().tobytes()))
+            out.append(wire.decode(gathered[offset:offset + size].numpy().tobytes()))
             offset += size
         return out

@@ -7,10 +7,12 @@ allgathers (consistency checks) have their own order, as a separate MPI communic
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..ops.base import MutableTensorOps, Tensor
+from . import wire
 from .base import TIMEOUT_CAUSES, PeerLostError, ReduceOp, postscale_factor
+from .board import MemoryBoard
 
 
 class LocalWorld:
@@ -28,6 +30,9 @@ class LocalWorld:
         self._results: Dict[Tuple[str, int], Dict[int, Any]] = {}
         self._issued: Dict[str, List[int]] = {"tensor": [0] * size, "object": [0] * size}
         self.events: List[Tuple[int, str, str]] = []  # (rank, "start"/"wait"/"done", name)
+        self.board_entries: Dict[Any, Any] = {}
+        self.board_lock = threading.Lock()
+        self.boards = True  # False: the ranks have no status board (as with mpi4py or Horovod's ops)
 
     def communicator(self, rank: int) -> "LocalCommunicator":
         return LocalCommunicator(self, rank)
@@ -137,5 +142,12 @@ class LocalCommunicator:
         return self._world._submit(self._rank, "allgather", name, x, combine)
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        return self._world._submit(self._rank, "allgather_object", name, obj,
-                                   lambda inputs: [list(inputs)] * self._world.size).wait()
+        size = self._world.size
+        return self._world._submit(self._rank, "allgather_object", name, wire.encode(obj),
+                                   lambda inputs: [[wire.decode(b) for b in inputs] for _ in range(size)]).wait()
+
+    def status_board(self, namespace: str) -> Optional[MemoryBoard]:
+        world = self._world
+        if world.size == 1 or not world.boards:
+            return None
+        return MemoryBoard(world.board_entries, world.board_lock, self._rank, world.size, namespace)

@@ -5,13 +5,13 @@ zero-copy numpy views; dtypes MPI cannot sum (float16, bfloat16) are summed in f
 """
 from __future__ import annotations
 
-import pickle
 from typing import Any, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from ..ops.base import MutableTensorOps, Tensor
+from . import wire
 from .base import PolledHandle, ReduceOp, default_timeout, postscale_factor
 
 _MPI_SUMMABLE = ("float32", "float64")
@@ -85,8 +85,9 @@ class Mpi4pyCommunicator:
         return self._polled(request, finish, f"allgather '{name}'")
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        # comm.allgather(obj) blocks with no timeout: sizes, then the padded bytes, non-blocking.
-        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        # comm.allgather(obj) blocks with no timeout and unpickles what it receives: sizes, then the
+        # padded bytes of the typed encoding (wire.py), non-blocking.
+        data = np.frombuffer(wire.encode(obj), dtype=np.uint8)
         sizes = np.empty(self.size, dtype=np.int64)
         request = self._check_comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)
         self._polled(request, request.Wait, f"allgather_object '{name}' (sizes)").wait()
@@ -96,4 +97,4 @@ class Mpi4pyCommunicator:
         recv = np.empty((self.size, longest), dtype=np.uint8)
         request = self._check_comm.Iallgather(send, recv)
         self._polled(request, request.Wait, f"allgather_object '{name}'").wait()
-        return [pickle.loads(recv[r, :sizes[r]].tobytes()) for r in range(self.size)]
+        return [wire.decode(recv[r, :sizes[r]].tobytes()) for r in range(self.size)]

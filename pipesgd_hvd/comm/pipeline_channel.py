@@ -14,16 +14,25 @@ receives are posted before sends (:meth:`PipelineChannel._exchange` says why).
 
 What it is: a ``ProcessGroupGloo`` (CPU tensors) and a second one for the consistency checks,
 built directly on a ``TCPStore`` that rank 0 serves, never through ``init_process_group``: the
-user's default process group, if any, is not touched. Device (CUDA) tensors, as the tensor-op
-table names them (``ops``), go through a device group (``ProcessGroupNCCL``; injectable) made from
-the same store at the first device collective, by the thread that issues it: its creation is at
-the same point of the issue order on every rank. Its works wait and fail as Gloo's do
-(:mod:`.device_group`). Collectives are matched by issue order within each group, as in MPI:
-names only label errors.
+user's default process group, if any, is not touched. The store listens on the channel's address
+only (a socket bound there and handed to torch), as Gloo's connections do. Device (CUDA) tensors,
+as the tensor-op table names them (``ops``), go through a device group (``ProcessGroupNCCL``;
+injectable) made from the same store at the first device collective, by the thread that issues
+it: its creation is at the same point of the issue order on every rank. Its works wait and fail as
+Gloo's do (:mod:`.device_group`). Collectives are matched by issue order within each group, as in
+MPI: names only label errors.
+
+Who can talk to it (docs/reliability.md, "Who can talk to a job"): rank 0 makes a per-job secret
+and sends it with the store's address through Horovod's broadcast, which runs inside the job.
+Every rank proves it on each group as the channel is built (a challenge-response: HMAC-SHA256
+over every rank's fresh nonce), so a connection that Gloo made to anyone outside the job fails
+there with an error that says so. Objects are gathered in a typed encoding, never pickled
+(:mod:`.wire`), and each carries its sender's MAC; entries of the status board
+(:mod:`.board`) are signed the same way, and an unsigned one is ignored.
 
 Building it is collective (:meth:`PipelineChannel.from_horovod`): every rank calls it at the
-same point of the program, from the training thread (one ``hvd.broadcast_object`` carries the
-store's address). For Horovod elastic, :meth:`close` the old channel at a reset and build a new
+same point of the program, from the training thread (two named ``hvd.broadcast`` ops carry the
+store's address and the job's secret). For Horovod elastic, :meth:`close` the old channel at a reset and build a new
 one in the new world, from the training thread at the point where every rank (new workers too)
 rebuilds its engine: a new store on the new rank 0.
 
@@ -34,15 +43,18 @@ collectives all go through one issue thread in the order they were submitted.
 from __future__ import annotations
 
 import datetime
-import pickle
-from typing import Any, Callable, List, Optional, Sequence, Type
+import secrets
+import socket
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
 
 from ..ops.torch import TORCH_OPS, TorchOps
+from . import wire
 from .addresses import channel_address
 from .base import TIMEOUT_CAUSES, DoneHandle, PeerLostError, ReduceOp, default_timeout, postscale_factor
+from .board import StoreBoard, board_store
 from .device_group import DeviceGroup, GroupFactory, nccl_group
 
 # PIPESGD_TIMEOUT=0 means "no limit"; Gloo and the store need a number: ten years.
@@ -137,27 +149,53 @@ def _gloo_group(store: Any, rank: int, size: int, address: str, timeout: Optiona
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
+class ForeignPeerError(RuntimeError):
+    """A connection of the pipeline channel did not prove the job's secret: it does not lead to a
+    rank of this job."""
+
+
+def _bound_listener(address: str) -> socket.socket:
+    """A listening socket on ``address`` only (port chosen by the OS), for the store's server:
+    torch's own server listens on every interface, whatever host it is given."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, 0))
+    sock.listen(128)
+    return sock
+
+
 class PipelineChannel:
     """Collectives for the pipeline's own traffic (the Communicator protocol of :mod:`.base`).
 
     ``store``: a torch.distributed Store every rank reaches (rank 0 usually serves it);
     ``address``: this rank's address for Gloo's connections (:func:`.addresses.channel_address`);
-    ``prefix``: keeps the keys of several channels (or generations, under elastic) apart.
-    Construction is collective. Use :meth:`from_horovod` under Horovod."""
+    ``secret``: the job's secret, the same bytes on every rank (:func:`.wire.new_secret` on one
+    rank, sent to the others inside the job); ``prefix``: keeps the keys of several channels (or
+    generations, under elastic) apart. Construction is collective. Use :meth:`from_horovod` under
+    Horovod."""
 
-    def __init__(self, store: Any, rank: int, size: int, *, address: str, timeout: Optional[float] = None,
-                 prefix: str = "psgd.channel", error: Type[PeerLostError] = PeerLostError,
-                 ops: Optional[TorchOps] = None, device_group: GroupFactory = nccl_group) -> None:
+    def __init__(self, store: Any, rank: int, size: int, *, address: str, secret: bytes,
+                 timeout: Optional[float] = None, prefix: str = "psgd.channel",
+                 error: Type[PeerLostError] = PeerLostError, ops: Optional[TorchOps] = None,
+                 device_group: GroupFactory = nccl_group) -> None:
         """``error``: the PeerLostError subclass a failure raises (under Horovod, one that is also
         a HorovodInternalError, so that ``hvd.elastic.run`` resets on it). ``ops``: the tensor-op
         table that names a tensor's device (tests pass one with a fake CUDA table);
         ``device_group``: makes the group for device tensors (tests pass a Gloo stand-in)."""
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
+        if not isinstance(secret, bytes) or len(secret) < 16:
+            raise ValueError("secret must be the job's secret, at least 16 random bytes shared by every rank "
+                             "(pipesgd_hvd.comm.wire.new_secret() on one rank, sent to the others inside the job)")
         self._rank, self._size, self._address = rank, size, address
         self._timeout = timeout if timeout is not None else default_timeout()
         self._store = store
         self._prefix = prefix
+        self._secret = secret
+        self._error = error
+        self._closed = False
+        self._nccl: Any = None
+        self._boards: List[Any] = []
         self._tensors = _gloo_group(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, address, self._timeout)
         # Checks get a group of their own: they run while reductions are in flight, and a rank
         # that is missing one of those (fewer step() calls) must still answer the check.
@@ -165,45 +203,92 @@ class PipelineChannel:
         self._ops = ops if ops is not None else TORCH_OPS
         self._device_of = self._ops.streams.cuda.device_of
         self._device_factory = device_group
-        self._nccl: Optional[DeviceGroup] = None
-        self._closed = False
-        self._error = error
+        self._prove(self._tensors, "tensors")
+        self._prove(self._checks, "checks")
+
+    @property
+    def error_type(self) -> Type[PeerLostError]:
+        """What this channel raises when a peer is lost (the stall inspector raises the same)."""
+        return self._error
+
+    def _prove(self, group: Any, label: str) -> None:
+        """Every rank proves the job's secret on ``group``'s connections before anything is used:
+        each sends a fresh nonce, then an HMAC over all of them (so no proof can be replayed). A
+        connection Gloo made to someone outside the job (a store entry written from outside)
+        fails here, with words, on the rank that holds it."""
+        if self._size == 1:
+            return
+        what = f"the secret check of the pipeline channel's {label} group"
+        nonces = torch.empty(self._size * 16, dtype=torch.uint8)
+        mine = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8)
+        _WorkHandle([group._allgather_base(nonces, mine)], lambda: None, what, error=self._error,
+                    timeout=self._timeout).wait()
+        every = nonces.numpy().tobytes()
+        context = (b"psgd-hello", self._prefix.encode(), label.encode())
+        proof = torch.frombuffer(bytearray(wire.mac(self._secret, *context, str(self._rank).encode(), every)),
+                                 dtype=torch.uint8)
+        proofs = torch.empty(self._size * wire.MAC_BYTES, dtype=torch.uint8)
+        _WorkHandle([group._allgather_base(proofs, proof)], lambda: None, what, error=self._error,
+                    timeout=self._timeout).wait()
+        rows = proofs.view(self._size, wire.MAC_BYTES)
+        foreign = [r for r in range(self._size) if not wire.mac_ok(
+            self._secret, rows[r].numpy().tobytes(), *context, str(r).encode(), every)]
+        if foreign:
+            raise ForeignPeerError(
+                f"the pipeline channel's connection(s) to rank(s) {foreign} did not prove this job's secret: they do "
+                "not lead to a rank of this job (someone outside it wrote to the pipeline's store, or a stale job "
+                "used the same port). Nothing received on them was used; check who can reach the training hosts "
+                "(docs/reliability.md, 'Who can talk to a job')")
 
     # --------------------------------------------------------------------------- building
     @classmethod
     def from_horovod(cls, timeout: Optional[float] = None, name: str = "psgd.channel") -> "PipelineChannel":
         """Builds the channel over Horovod's world (``hvd.init()`` first). Collective: call it on
-        every rank at the same point, from the training thread; it issues one named
-        ``hvd.broadcast_object`` (rank 0's store address) and no Horovod op afterwards."""
+        every rank at the same point, from the training thread; it issues two named
+        ``hvd.broadcast`` ops (rank 0's store address and the job's secret, in the typed encoding
+        of :mod:`.wire`) and no Horovod op afterwards."""
         import horovod.torch as hvd
 
         if not hvd.is_initialized():
             raise RuntimeError("Horovod is not initialized: call hvd.init() before building the pipeline channel")
         rank, size = hvd.rank(), hvd.size()
         timeout = timeout if timeout is not None else default_timeout()
-        offer: Any = None
+        offer: Dict[str, Any] = {}
         server = None
         address = ""
         try:
             address = channel_address(single_host=hvd.local_size() == size)
             if rank == 0:
-                # Port 0: the OS picks a free one; workers are not awaited here (they connect
-                # only after the broadcast below).
-                server = dist.TCPStore(address, 0, None, True, timeout=_limit(timeout), wait_for_workers=False)
-                offer = ("ok", address, server.port)
+                # Bound to the channel's address only; the OS picks a free port. Workers are not
+                # awaited here (they connect only after the broadcast below).
+                listener = _bound_listener(address)
+                port = listener.getsockname()[1]
+                server = dist.TCPStore(address, port, None, True, timeout=_limit(timeout), wait_for_workers=False,
+                                       master_listen_fd=listener.detach())
+                offer = {"ok": True, "host": address, "port": port, "secret": wire.new_secret()}
         except Exception as exc:  # noqa: BLE001 - sent to every rank below, then raised here
-            offer = ("error", f"rank {rank}: {type(exc).__name__}: {exc}")
+            offer = {"ok": False, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
             if rank != 0:
                 raise
         # Every rank takes part even when rank 0 failed, so that all of them raise, none hangs.
-        offer = hvd.broadcast_object(offer, root_rank=0, name=f"{name}.rendezvous")
-        if offer[0] != "ok":
-            raise RuntimeError(f"the pipeline channel could not start: {offer[1]}")
-        _, host, port = offer
-        store = server if server is not None else dist.TCPStore(host, port, None, False, timeout=_limit(timeout))
+        offer = _broadcast_object(hvd, offer if rank == 0 else None, f"{name}.rendezvous")
+        if not offer.get("ok"):
+            raise RuntimeError(f"the pipeline channel could not start: {offer.get('error')}")
+        store = server if server is not None else dist.TCPStore(offer["host"], offer["port"], None, False,
+                                                                timeout=_limit(timeout))
         from .horovod_torch import HorovodPeerLostError
 
-        return cls(store, rank, size, address=address, timeout=timeout, prefix=name, error=HorovodPeerLostError)
+        return cls(store, rank, size, address=address, secret=offer["secret"], timeout=timeout, prefix=name,
+                   error=HorovodPeerLostError)
+
+    def status_board(self, namespace: str) -> Optional[StoreBoard]:
+        """This rank's view of the status board ``namespace`` (:mod:`.board`), on a connection of
+        its own to the store, with a short timeout; None for a single rank."""
+        if self._size == 1 or self._closed:
+            return None
+        board = StoreBoard(board_store(self._store), self._rank, self._size, self._secret, f"{self._prefix}/{namespace}")
+        self._boards.append(board)
+        return board
 
     def close(self) -> None:
         """Ends the groups without waiting for their peers (a lost peer, or a world that is gone at
@@ -219,6 +304,7 @@ class PipelineChannel:
                 group.abort()
         self._tensors = self._checks = self._nccl = None
         self._store = None
+        self._boards = []
 
     # ------------------------------------------------------------------------- properties
     @property
@@ -314,12 +400,15 @@ class PipelineChannel:
         return works + [_post(group.send, [send], peer, 0) for peer, send, _ in transfers]
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj`` (:mod:`.wire`'s types only), each checked against its sender's MAC
+        before it is decoded."""
         if self._closed:
             raise RuntimeError("the pipeline channel was closed")
         if self._size == 1:
-            return [pickle.loads(pickle.dumps(obj))]
+            return [wire.decode(wire.encode(obj))]
         # Sizes first, then every rank's bytes padded to the longest.
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        framed = wire.seal(self._secret, self._object_context(self._rank), wire.encode(obj))
+        data = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
         sizes = torch.empty(self._size, dtype=torch.int64)
         what = f"allgather_object '{name}'"
         _WorkHandle([self._checks._allgather_base(sizes, torch.tensor([data.numel()], dtype=torch.int64))],
@@ -330,4 +419,22 @@ class PipelineChannel:
         gathered = torch.empty(self._size * longest, dtype=torch.uint8)  # Gloo wants size x the input's shape
         _WorkHandle([self._checks._allgather_base(gathered, padded)], lambda: None, what, error=self._error, timeout=self._timeout).wait()
         rows = gathered.view(self._size, longest)
-        return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(self._size)]
+        out = []
+        for r in range(self._size):
+            frame = rows[r, :max(0, min(int(sizes[r]), longest))].numpy().tobytes()
+            out.append(wire.decode(wire.open_sealed(self._secret, self._object_context(r), frame, f"rank {r}")))
+        return out
+
+    def _object_context(self, rank: int) -> bytes:
+        return f"{self._prefix}/object/{rank}".encode()
+
+
+def _broadcast_object(hvd: Any, obj: Any, name: str) -> Any:
+    """Rank 0's ``obj`` on every rank, through two named Horovod broadcasts of its typed encoding
+    (Horovod's own ``broadcast_object`` unpickles what it receives)."""
+    data = wire.encode(obj) if hvd.rank() == 0 else b""
+    size = hvd.broadcast(torch.tensor([len(data)], dtype=torch.int64), root_rank=0, name=f"{name}.size")
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if hvd.rank() == 0 and data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return wire.decode(hvd.broadcast(buffer, root_rank=0, name=name).numpy().tobytes())

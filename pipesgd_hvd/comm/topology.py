@@ -104,8 +104,8 @@ def _sub_channel(parent: Any, rank: int, size: int, label: str) -> Any:
     keeps them private, and a sub-group must be built exactly as its parent was.)"""
     from .pipeline_channel import PipelineChannel
 
-    return PipelineChannel(parent._store, rank, size, address=parent.address, timeout=parent._timeout,
-                           prefix=f"{parent._prefix}/{label}", error=parent._error, ops=parent._ops,
+    return PipelineChannel(parent._store, rank, size, address=parent.address, secret=parent._secret,
+                           timeout=parent._timeout, prefix=f"{parent._prefix}/{label}", error=parent._error, ops=parent._ops,
                            device_group=parent._device_factory)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.torch import TORCH_OPS, TorchOps
+from . import wire
 from .base import TIMEOUT_CAUSES, PeerLostError, PolledHandle, ReduceOp, default_timeout, postscale_factor
 from .device_group import watchdog_timeout
 
@@ -50,7 +51,8 @@ class TorchDistributedCommunicator:
         self._group = group if group is not None else dist.new_group(ranks=ranks, timeout=watchdog_timeout(self._timeout))
         self._host_group = dist.new_group(ranks=ranks, timeout=limit, backend="gloo")
         # Checks get a group of their own (they run while reductions are in flight, and a rank
-        # missing one of those must still answer the check), bounded by the same timeout.
+        # missing one of those must still answer the check), bounded by the same timeout; Gloo
+        # whatever the default backend: the checks gather host bytes (the typed encoding).
         self._check_group = dist.new_group(ranks=ranks, timeout=limit, backend="gloo")
 
     def _group_for(self, x: torch.Tensor) -> Any:
@@ -93,6 +95,17 @@ class TorchDistributedCommunicator:
         return self._polled(work, lambda: (work.wait(), out)[1], f"allgather '{name}'")
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
-        out: List[Any] = [None] * self.size
-        _translated(lambda: dist.all_gather_object(out, obj, group=self._check_group), f"allgather_object '{name}'")
-        return out
+        # Not dist.all_gather_object: it unpickles what it receives. Sizes, then the padded bytes
+        # of the typed encoding (wire.py).
+        what = f"allgather_object '{name}'"
+        data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
+        sizes = torch.empty(self.size, dtype=torch.int64)
+        _translated(lambda: dist.all_gather_into_tensor(sizes, torch.tensor([data.numel()], dtype=torch.int64),
+                                                        group=self._check_group), what)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        gathered = torch.empty(self.size * longest, dtype=torch.uint8)
+        _translated(lambda: dist.all_gather_into_tensor(gathered, padded, group=self._check_group), what)
+        rows = gathered.view(self.size, longest)
+        return [wire.decode(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.size)]

@@ -30,13 +30,19 @@ def allreduce_wire_bytes(numel: int, dtype: str, size: int) -> int:
 
 class Reduction:
     """A bucket's reduction, started or ready to run: ``wait()`` returns (the reduced tensor,
-    the bytes this rank sent)."""
+    the bytes this rank sent). ``done()`` says, without waiting, that ``wait()`` would not block
+    (False when it cannot tell); ``future``: the Future whose result ``wait()`` returns, when the
+    reduction runs on a thread (a waiter can then wait on it in slices)."""
 
-    def __init__(self, wait: Callable[[], Tuple[Tensor, int]]) -> None:
-        self._wait = wait
+    def __init__(self, wait: Callable[[], Tuple[Tensor, int]], done: Optional[Callable[[], bool]] = None,
+                 future: Any = None) -> None:
+        self._wait, self._done, self.future = wait, done, future
 
     def wait(self) -> Tuple[Tensor, int]:
         return self._wait()
+
+    def done(self) -> bool:
+        return self._done() if self._done is not None else False
 
 
 def reduce_bucket(ops: TensorOps, comm: Communicator, codec: Codec, flat: Tensor, *, name: str, key: str,
@@ -57,7 +63,7 @@ def reduce_bucket(ops: TensorOps, comm: Communicator, codec: Codec, flat: Tensor
         payload, ctx = codec.encode(ops, flat, key=key, seed=seed)
         handle = comm.allreduce_async_(payload, name, op, prescale, postscale)
         sent = allreduce_wire_bytes(ops.numel(payload), ops.dtype_name(payload), comm.size)
-        return Reduction(lambda: (codec.decode(ops, handle.wait(), ctx), sent))
+        return Reduction(lambda: (codec.decode(ops, handle.wait(), ctx), sent), done=handle.done)
     return Reduction(lambda: compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed, op=op,
                                                   prescale=prescale, postscale=postscale, numel=numel))
 
@@ -67,6 +73,33 @@ def padded_numel(codec: Codec, numel: int, size: int) -> int:
     ranks works on: one row per rank, of whole codec groups. A float32 buffer this long whose
     values past ``numel`` are zero is reduced without copying it into a padded one."""
     return size * codec.padded_cols(max(1, -(-numel // size)))
+
+
+def side_region(codec: Codec, numel: int, extra: int, size: int) -> Tuple[int, int]:
+    """Where ``extra`` values can ride after a bucket's ``numel`` values without sharing a codec
+    block with any of them, and the bucket's length then: ``(offset, length)``.
+
+    Why: the pipeline sends which ranks still train (the membership flags, see the engine's
+    ``join``) inside a step's last bucket instead of in a collective of their own. A quantizer
+    scales each block by its largest value, so a flag of 1.0 beside gradients of 1e3 would
+    quantize to 0, and a non-finite gradient turns its whole block into NaN; in a block of their
+    own the flags (equal non-zero values and zeros) quantize exactly, and their error-feedback
+    residual is zero. Summable codecs are element-wise: right after the values. Byte codecs: the
+    first block boundary past ``numel`` within one of the compressed all-reduce's ``size`` rows
+    that has room; the length is whole rows (pass ``numel=length`` to
+    :func:`compressed_allreduce`, so that it keeps these rows)."""
+    if codec.summable:
+        return numel, numel + extra
+    cols = codec.padded_cols(max(1, -(-(numel + extra) // size)))
+    while True:
+        width = codec.block_width(cols)
+        row, col = divmod(numel, cols)
+        col = -(-col // width) * width  # the next block boundary in this row
+        if col + extra > cols:
+            row, col = row + 1, 0
+        if row < size and col + extra <= cols:
+            return row * cols + col, size * cols
+        cols = codec.padded_cols(cols + 1)
 
 
 def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Tensor, *,
@@ -136,4 +169,4 @@ def exchange_compressed(ops: TensorOps, comm: Communicator, codec: Codec, rows: 
     return gathered, ctx2, ops.shape(payload)[1] * ITEMSIZE["uint8"]
 
 
-__all__ = ["Reduction", "allreduce_wire_bytes", "compressed_allreduce", "padded_numel", "reduce_bucket"]
+__all__ = ["Reduction", "allreduce_wire_bytes", "compressed_allreduce", "padded_numel", "reduce_bucket", "side_region"]

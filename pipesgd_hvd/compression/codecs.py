@@ -48,6 +48,12 @@ class Codec(abc.ABC):
         """The row length (>= cols) this codec encodes; rows are zero-padded up to it."""
         return cols
 
+    def block_width(self, cols: int) -> int:
+        """How many consecutive values of a row of ``cols`` (a :meth:`padded_cols` length) are
+        encoded together: a value's encoding depends only on the values of its block (a
+        quantizer's scale); 1 for element-wise codecs."""
+        return 1
+
     @abc.abstractmethod
     def encode(self, ops: TensorOps, x: Tensor, *, key: str, seed: Any) -> Tuple[Tensor, Any]: ...
 
@@ -226,6 +232,9 @@ class Quantize(KernelCodec):
     def _blocks(self, cols: int) -> Tuple[int, int]:
         width = min(cols, self.block)
         return cols // width, width
+
+    def block_width(self, cols: int) -> int:
+        return self._blocks(cols)[1]
 
     def _layout(self, cols: int) -> Tuple[Kind, int, int]:
         return Kind.QUANTIZE, self._blocks(cols)[1], self.bits

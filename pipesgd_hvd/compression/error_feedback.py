@@ -28,6 +28,9 @@ class ErrorFeedback(Codec):
     def padded_cols(self, cols: int) -> int:
         return self.codec.padded_cols(cols)
 
+    def block_width(self, cols: int) -> int:
+        return self.codec.block_width(cols)
+
     def encode(self, ops: TensorOps, x: Tensor, *, key: str, seed: Any) -> Tuple[Tensor, Any]:
         held = self._residuals.get(key)
         residual = ops.read(held) if held is not None else None

@@ -36,6 +36,7 @@ from horovod.common.elastic import ObjectState, run_fn
 from horovod.common.exceptions import HorovodInternalError
 
 from ..comm.base import PeerLostError
+from ..comm.horovod_tensorflow import broadcast_object
 from ..tensorflow.core import KerasCore
 from ..tensorflow.optimizer import _PipelinedOptimizer
 from .callbacks import broadcast_variables
@@ -113,7 +114,8 @@ class KerasState(ObjectState):
         if self._core is not None:
             self._core.check_elastic_support()
         self._save_model()
-        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+        # The typed broadcast: Horovod's own unpickles what it receives (comm/wire.py says why)
+        super().__init__(bcast_object=broadcast_object, get_rank=hvd.rank, **kwargs)
 
     def save(self) -> None:
         self._save_model()

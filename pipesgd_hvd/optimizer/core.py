@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
@@ -30,8 +32,10 @@ from ..compression.codecs import Codec
 from ..ops.base import Tensor
 from ..pipeline.config import PipelineConfig
 from ..pipeline.engine import AppliedStep, PipelineEngine
+from ..pipeline.stall import StallInspector
 from . import checkpoint
 from .adapter import TrainingAdapter
+from .elastic import is_elastic_job
 from .lifecycle import PipelineLifecycle, call_at_exit
 from .options import PipelineOptions
 
@@ -45,6 +49,17 @@ def _dropped(held: List[Any], adapter: TrainingAdapter) -> None:
                       "an optimizer")
     adapter.unwatch_gradients()
     engine.close(wait=False)  # the garbage collector may run this on any thread: never block it
+    engine.inspector.close()  # its monitor thread ends at its next tick
+
+
+def end_process(message: str) -> None:
+    """Prints ``message`` and ends the process with status 1 at once (at interpreter exit, where
+    nothing can be raised any more; the transport's own shutdown is skipped: the ranks it would
+    wait for are stopping with an error)."""
+    sys.stdout.flush()
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 # Horovod's own words (horovod/torch/optimizer.py), which code written for Horovod may filter on.
@@ -61,6 +76,7 @@ class OptimizerCore(PipelineLifecycle):
     def __init__(self, options: PipelineOptions, names: Sequence[str], adapter: TrainingAdapter,
                  comm: Communicator, comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         self.adapter = adapter
+        self._inspector: Optional[StallInspector] = None  # one per transport, kept across engines
         super().__init__(options, names, comm, adapter, comm_factory)
         self._weights_predicted = False  # the tensors hold the prediction, not the real weights
         self._passes = [0] * len(self.names)
@@ -69,7 +85,8 @@ class OptimizerCore(PipelineLifecycle):
         self._stepped = False            # a pipelined step has happened
         self.should_synchronize = True   # False inside skip_synchronize()
         self._resume_checked = False     # the ranks compared their pipeline state since the last load
-        self._last_training: Optional[List[bool]] = None  # who trained at the latest step anyone did
+        self._last_membership: Optional[Callable[[], List[bool]]] = None  # of the latest step applied
+        self._agreed_at: Optional[int] = None  # steps ended at the last flush() every rank agreed on
         self._watched: Sequence[int] = ()  # the tensors whose gradients the hooks report
         adapter.watch_gradients(self.gradient_ready)
         # Nothing computed is lost: gradients still in flight when the interpreter exits are applied.
@@ -83,7 +100,18 @@ class OptimizerCore(PipelineLifecycle):
                        check_ranks: bool) -> PipelineEngine:
         return PipelineEngine(self.adapter.tensor_specs(), ops=self.adapter.ops, comm=self.comm, codec=codec,
                               config=config, device_anchors=self.adapter.device_anchors(), first_step=first_step,
-                              check_ranks=check_ranks, topology=self.topology if config.hierarchical else None)
+                              check_ranks=check_ranks, inspector=self.inspector,
+                              topology=self.topology if config.hierarchical else None)
+
+    @property
+    def inspector(self) -> StallInspector:
+        """The stall inspector of this optimizer's transport (a new one when the transport is
+        rebuilt, at a Horovod elastic reset); the auto mode's engines share it."""
+        if self._inspector is None or self._inspector.comm is not self.comm:
+            if self._inspector is not None:
+                self._inspector.close()
+            self._inspector = StallInspector.for_comm(self.comm, self.name)
+        return self._inspector
 
     @property
     def engine(self) -> PipelineEngine:
@@ -270,6 +298,8 @@ class OptimizerCore(PipelineLifecycle):
         how many steps. Collective: first checks that every rank ran the same number of steps.
         With a loss scale, gradients are unscaled here and a non-finite one is skipped."""
         in_flight = self.engine.flush(check_steps=check_steps)  # checks the ranks agree before it waits
+        if check_steps and not self.engine.behind:
+            self._agreed_at = self.engine.step  # every rank flushed here: nobody needs this rank's later share
         self._note_training(in_flight)
         if self.prediction is not None:  # the real weights first; prediction starts afresh next step
             with self.adapter.weights_guard():
@@ -308,31 +338,52 @@ class OptimizerCore(PipelineLifecycle):
         others' averages still divide by the number of ranks, as with Horovod's join. Returns the
         rank that joined last (broadcast the model from it, as Horovod's documentation says).
         The pipeline then refills at the next step. ``outer_join``: starts the transport's own
-        join (Horovod's, for the user's own collectives) and returns a handle waited for at the end."""
+        join (Horovod's, for the user's own collectives) and returns a handle waited for at the end.
+
+        Who still trains rides with each step's last bucket (the engine's membership flags). The
+        collectives a training rank runs between steps run here too, at the same steps: the replica
+        check (``check_replicas_every``; this rank's weights, which no longer follow the others',
+        are left out of the comparison) and the auto mode's checks (``width``/``compression=
+        "auto"``: measurements, timed reductions, and a rebuilt engine if the choice changes).
+        Works after ``flush()`` too."""
         if self._apply_pending or self.engine.step_open:
             raise RuntimeError("join() between backward() and step(): call step() first")
-        if self.options.check_replicas_every or self.auto_controller is not None:
-            raise ValueError("join() does not support check_replicas_every or width/compression='auto' yet: their "
-                             "checks are collectives that a joined rank does not take part in")
         self.flush(check_steps=False)
-        pending = outer_join() if outer_join is not None else None
-        engine, active = self.engine, self.adapter.trainable()
-        while self.comm.size > 1:
-            engine.begin_step(active)
-            done = engine.end_step(joined=True) + engine.flush(check_steps=False)  # flags: who still trains
-            if not any(done[-1].training or []):
-                break
-            self._note_training(done)
-        if pending is not None:
-            pending.wait()
+        self.inspector.set_phase("join", joined_at=self.engine.step)
+        try:
+            pending = outer_join() if outer_join is not None else None
+            active = self.adapter.trainable()
+            while self.comm.size > 1:
+                engine = self.engine
+                if engine.replica_check_due():
+                    engine.check_replicas(self.adapter.replica_fingerprints(), joined=True)
+                if self.auto_controller is not None:
+                    self.auto_controller.reduction_started()
+                engine.begin_step(active, joined=True)
+                done = engine.end_step()
+                if self.auto_controller is not None:  # a check: flushed steps, maybe a new engine
+                    done = done + self.auto_controller.after_step(engine, done)
+                done = done + self.engine.flush(check_steps=False)  # this step's flags: who still trains
+                if not any(done[-1].training() or []):
+                    break
+                self._note_training(done)
+            if pending is not None:
+                pending.wait()
+        finally:
+            self.inspector.set_phase("train")
+        self._agreed_at = self.engine.step  # every rank has joined: nobody needs this rank's share
         # The last to join: those training at the latest step anyone trained (the same step, hence
         # the same answer, on every rank).
-        return max(r for r, t in enumerate(self._last_training) if t) if self._last_training else self.comm.rank
+        training = self._last_membership() if self._last_membership is not None else None
+        return max(r for r, t in enumerate(training) if t) if training and any(training) else self.comm.rank
 
     def _note_training(self, steps: Sequence[AppliedStep]) -> None:
-        for applied in steps:
-            if applied.training and any(applied.training):
-                self._last_training = applied.training
+        """Keeps how to read the latest applied step's membership flags, for join() (lazily:
+        reading them is a device sync on a GPU; not the step itself, whose gradients it would
+        keep alive). A training rank's own flag is set at every step it runs, so that step had
+        someone training."""
+        if steps and steps[-1].membership is not None:
+            self._last_membership = steps[-1].membership
 
     # ------------------------------------------------- staleness corrections (staleness/corrections.py)
     def _corrected(self, step: int, applied: List[AppliedStep]) -> List[AppliedStep]:
@@ -452,9 +503,18 @@ class OptimizerCore(PipelineLifecycle):
                               "when training ends, before saving the model")
             except Exception as exc:  # the transport may already be gone at exit
                 warnings.warn(f"pipesgd_hvd: could not apply in-flight gradients at exit: {exc}")
+        board = self.inspector.board
+        if engine.failure is None and self._agreed_at != engine.step and board is not None and board.process_exit \
+                and not is_elastic_job():
+            # Did this rank leave while others still need its share (no join() with uneven data)?
+            # They are told first; then this rank says so and ends with status 1.
+            message = self.inspector.check_at_exit(engine.step)
+            if message is not None:
+                end_process(f"pipesgd_hvd: error: {message}")
         if engine.failure is not None:
             # Nothing can be applied consistently; the transport's shutdown (run after this
             # handler: Horovod registered its handler earlier) must not keep the process alive.
             exit_if_stuck(f"the pipeline stopped at {type(engine.failure).__name__}")
         engine.close()
+        self.inspector.close()
         self.close_comm(at_exit=True)

@@ -16,6 +16,16 @@ first K-1 pipelined steps apply nothing (no stale gradient exists yet). :meth:`f
 and returns everything in flight; :meth:`state_dict` waits for it too and saves the reduced
 gradients, codec state (error-feedback residuals) and step count, so a restart resumes exactly.
 
+Which ranks still train (Horovod's join semantics, :meth:`OptimizerCore.join`) rides with each
+step's last bucket: ``size`` membership flags in a codec block of their own past its gradients
+(:func:`~pipesgd_hvd.compression.allreduce.side_region`), 1 from a training rank, 0 from a joined
+one, read as "> half the unit" after the reduction. No collective of its own: every rank issues
+the same collectives, in the same order, whether or not any rank has joined.
+
+No silent wait: every wait for a reduction goes through the stall inspector
+(:mod:`pipesgd_hvd.pipeline.stall`), which warns after ``PIPESGD_STALL_CHECK_TIME_SECONDS`` naming
+the missing ranks, and ends the wait with an error at once when a rank it needs can never come.
+
 Failures are final: once a reduction fails (a lost peer, a timeout) or a check finds the ranks
 disagreeing, the in-flight steps can no longer be completed consistently, so every later call
 raises at once (:attr:`failure` holds the first error) instead of waiting on collectives that
@@ -30,19 +40,17 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from ..comm.base import Communicator, ReduceOp
+from ..comm.base import Communicator, ReduceOp, postscale_factor
 from ..comm.topology import Topology
-from ..compression.allreduce import Reduction, compressed_allreduce, padded_numel, reduce_bucket
+from ..compression.allreduce import Reduction, compressed_allreduce, padded_numel, reduce_bucket, side_region
+from ..compression.codecs import Codec
 from ..compression.hierarchical import hierarchical_allreduce
-from ..compression.codecs import Codec, NoneCodec
 from ..ops.base import MutableTensorOps, Tensor
-from ..ops.seeds import Seed
 from .config import PipelineConfig, WireStats, integer, settings_entries
 from .fusion import Bucket, FusionLayout, TensorSpec, plan_buckets
 from .guards import check_pipeline_agrees, check_ranks_agree, check_replicas, check_steps_agree, checksum
 from .schedule import PipelineSchedule
-
-_PLAIN = NoneCodec()  # the membership flags go as they are
+from .stall import StallInspector
 
 
 @dataclass
@@ -55,8 +63,14 @@ class AppliedStep:
     step: int
     grads: Dict[int, Tensor]
     meta: Any = None
-    training: Optional[List[bool]] = None  # per rank: was it training (not joined) at this step
+    membership: Optional[Callable[[], List[bool]]] = None  # reads the step's membership flags
     owned: bool = False
+
+    def training(self) -> Optional[List[bool]]:
+        """Per rank: was it training (not joined) at this step; None when not known (one rank, a
+        step loaded from a checkpoint). Reads the flags (a device sync on a GPU), so it is asked
+        only when needed (join)."""
+        return self.membership() if self.membership is not None else None
 
 
 @dataclass
@@ -70,8 +84,7 @@ class _Step:
     reductions: List[Optional[Reduction]] = field(default_factory=list)
     grads: Optional[Dict[int, Tensor]] = None            # set once waited (or loaded)
     meta: Any = None
-    members: Optional[Reduction] = None                  # which ranks were training (see join)
-    training: Optional[List[bool]] = None
+    flags: Any = None                                    # the reduced membership flags (see join)
 
 
 class PipelineEngine:
@@ -81,7 +94,8 @@ class PipelineEngine:
                  codec: Codec, config: PipelineConfig = PipelineConfig(),
                  ready_order: Optional[Sequence[int]] = None,
                  device_anchors: Optional[Dict[str, Tensor]] = None, first_step: int = 0,
-                 check_ranks: bool = True, topology: Optional[Topology] = None) -> None:
+                 check_ranks: bool = True, topology: Optional[Topology] = None,
+                 inspector: Optional[StallInspector] = None) -> None:
         """``ready_order``: spec indices in the order gradients are expected (default: reverse).
         ``device_anchors``: a tensor per device name, next to which that device's buffers go.
         ``first_step``: the index of the first step, for an engine that replaces a flushed one
@@ -93,7 +107,9 @@ class PipelineEngine:
         optimizer while the others are busy syncing, and builds the engine again, checked, once
         every rank can take part).
         ``topology``: the node and cross-node groups a byte codec's buckets are reduced over when
-        ``config.hierarchical`` is set (``compression/hierarchical.py``), over all of ``comm``'s ranks."""
+        ``config.hierarchical`` is set (``compression/hierarchical.py``), over all of ``comm``'s ranks.
+        ``inspector``: the stall inspector to wait through (an optimizer keeps one across the
+        engines it builds); by default the engine makes its own and stops it at :meth:`close`."""
         if (config.hierarchical is None) != (topology is None):
             raise ValueError("a hierarchical pipeline needs both config.hierarchical and a topology, a flat one neither")
         if config.hierarchical is not None and codec.summable:
@@ -124,6 +140,14 @@ class PipelineEngine:
         # would wait a full timeout for a peer that is gone, and exit joins that thread).
         self._abort = threading.Event()
         self._replicas_agreed_at = 0
+        self.behind = False  # the last flush() found ranks still training, blocked on this rank's share
+        self._flag_at: Dict[str, Tuple[int, int]] = {}  # layout key -> (offset, length) of its last bucket
+        prescale, postscale = config.scale_factors()
+        self._flag_unit = prescale * postscale_factor(config.op, postscale, comm.size)
+        self._own_inspector = inspector is None
+        self.inspector = inspector if inspector is not None else StallInspector.for_comm(comm, config.name)
+        self.inspector.step_begun(self._step - 1)
+        self.inspector.step_ended(self._step)
         if check_ranks:
             check_pipeline_agrees(comm, config, codec.name, self.specs)
 
@@ -174,6 +198,7 @@ class PipelineEngine:
     def _fail(self, exc: BaseException) -> None:
         if self._failure is None:
             self._failure = exc
+            self.inspector.failed(exc)  # the others' waits on this rank end at once, with its words
         self._abort.set()
 
     def _checked(self, check: Callable[[], None]) -> None:
@@ -185,9 +210,11 @@ class PipelineEngine:
             raise
 
     # ------------------------------------------------------------------------------- the step
-    def begin_step(self, active: Sequence[int]) -> None:
+    def begin_step(self, active: Sequence[int], joined: bool = False) -> None:
         """Open a step over the gradients ``active`` (spec indices; those that require grad now).
-        Issues no collective (it may run inside a backward hook)."""
+        Issues no collective (it may run inside a backward hook). ``joined``: this rank has no
+        data left and only takes part (with zeros) so that the others can go on (see
+        :meth:`OptimizerCore.join`); its membership flag is 0."""
         self._raise_if_failed()
         if self._current is not None:
             raise RuntimeError("begin_step() called twice without end_step()")
@@ -195,8 +222,17 @@ class PipelineEngine:
         slot = self._step % self.config.width
         buffers = self._buffers.get((layout.key, slot))
         if buffers is None:
-            buffers = [self._new_buffer(b) for b in layout.buckets]
+            last = len(layout.buckets) - 1
+            buffers = [self._new_buffer(b, self._flag_at.get(layout.key) if b.index == last else None)
+                       for b in layout.buckets]
             self._buffers[(layout.key, slot)] = buffers
+        flags = self._flag_at.get(layout.key)
+        if flags is not None:  # rewritten each step: a plain all-reduce sums in place
+            size = self.comm.size
+            self.ops.fill_(buffers[-1], flags[0], size, 0.0)
+            if not joined:
+                self.ops.fill_(buffers[-1], flags[0] + self.comm.rank, 1, 1.0)
+        self.inspector.step_begun(self._step)
         self._current = _Step(self._step, layout, buffers, [0] * len(layout.buckets),
                               checked=layout.key in self._checked_sets, reductions=[None] * len(layout.buckets))
         self._next_launch = 0
@@ -220,23 +256,23 @@ class PipelineEngine:
         cur.written[b] += 1
         self._launch_ready(cur, force=False)
 
-    def end_step(self, meta: Any = None, joined: bool = False) -> List[AppliedStep]:
+    def end_step(self, meta: Any = None) -> List[AppliedStep]:
         """End the open step: launch what is left (missing gradients count as zeros), then wait for
         the steps that fall out of the pipeline and return them, oldest first (usually one; none
-        while the pipeline fills). ``joined``: this rank has no data left and only takes part
-        (with zeros) so that the others can go on (see :meth:`OptimizerCore.join`)."""
+        while the pipeline fills)."""
         self._raise_if_failed()
         cur = self._current
         if cur is None:
             raise RuntimeError("end_step() without an open step")
-        self._close(cur, meta, joined)
+        self._close(cur, meta)
         width = self.schedule.width_at(cur.step)
         applied = []
         while len(self._queue) >= width:
             applied.append(self._finish(self._queue.popleft()))
+        self.inspector.step_ended(self._step)
         return applied
 
-    def _close(self, cur: _Step, meta: Any, joined: bool = False) -> None:
+    def _close(self, cur: _Step, meta: Any) -> None:
         """Checks a tensor set the ranks have not agreed on yet (a collective, so here, from the
         training thread at the end of the step, never from a backward hook), launches the rest
         and queues the step."""
@@ -245,8 +281,6 @@ class PipelineEngine:
             self._checked_sets.add(cur.layout.key)
             cur.checked = True
         self._launch_ready(cur, force=True)
-        if self.comm.size > 1:
-            cur.members = self._launch_members(cur, joined)
         cur.meta = meta
         self._queue.append(cur)
         self._current = None
@@ -255,19 +289,32 @@ class PipelineEngine:
     def flush(self, check_steps: bool = True) -> List[AppliedStep]:
         """Wait for every step in flight (ending an open one first) and return them, oldest first.
 
-        Collective: first checks that every rank has run the same number of steps (a rank that
-        ran more would wait forever for the others' share of its last reduction), and raises
-        :class:`~pipesgd_hvd.pipeline.guards.StepCountMismatchError` on every rank if not.
-        ``check_steps=False`` skips that (at interpreter exit, where the other ranks may be gone)."""
+        First checks that every rank has run the same number of steps (a rank that ran more would
+        wait forever for the others' share of its last reduction), and raises
+        :class:`~pipesgd_hvd.pipeline.guards.StepCountMismatchError` on every rank if not. Where
+        the transport has a status board (the pipeline channel) that check needs no collective:
+        a rank that ran out of data and flushes while others still train, blocked on its share,
+        is let through (:attr:`behind` is then True): its ``join()`` serves them. Otherwise it is
+        a collective (call flush() on every rank). ``check_steps=False`` skips the check (at
+        interpreter exit, where the other ranks may be gone)."""
         self._raise_if_failed()
+        self.behind = False
         if check_steps:
             ended = self._step + (1 if self._current is not None else 0)
-            self._checked(lambda: check_steps_agree(self.comm, ended, "flush()"))
+            if self.inspector.board is not None:
+                self._checked(lambda: self._agree_at_flush(ended))
+            else:
+                with self.inspector.blocking(ended, "the step check of flush()"):
+                    self._checked(lambda: check_steps_agree(self.comm, ended, "flush()"))
         if self._current is not None:
             self._close(self._current, None)
         applied = [self._finish(s) for s in self._queue]
         self._queue.clear()
+        self.inspector.step_ended(self._step)
         return applied
+
+    def _agree_at_flush(self, ended: int) -> None:
+        self.behind = self.inspector.agree_at_flush(ended) == "behind"
 
     def abandon(self) -> Dict[str, Any]:
         """Stop this engine at a change of the world (Horovod elastic) without waiting on anything,
@@ -310,6 +357,8 @@ class PipelineEngine:
                 job.cancel()
         if wait:
             concurrent.futures.wait([j for j in jobs if not j.cancelled()])
+        if self._own_inspector:
+            self.inspector.close()
 
     # ------------------------------------------------------------------------- replica check
     def replica_check_due(self) -> bool:
@@ -317,12 +366,15 @@ class PipelineEngine:
         ``check_replicas_every`` steps; the same answer on every rank)."""
         return bool(self.schedule.replica_check_due(self._step)) and self._replicas_agreed_at != self._step
 
-    def check_replicas(self, named: Sequence[Tuple[str, Any]]) -> None:
+    def check_replicas(self, named: Sequence[Tuple[str, Any]], joined: bool = False) -> None:
         """Collective: compares a checksum of each (name, host array) across ranks, and the step
         counts; raises :class:`~pipesgd_hvd.pipeline.guards.ReplicaDriftError` (or StepCountMismatchError)
-        on every rank, naming the step and the first tensor that differs."""
+        on every rank, naming the step and the first tensor that differs. ``joined``: this rank
+        has joined (its weights stay behind until the broadcast after ``join()``): it takes part
+        with its step count only, and the others' weights are compared among themselves."""
         self._raise_if_failed()
-        self._checked(lambda: check_replicas(self.comm, self._step, named, self._replicas_agreed_at))
+        with self.inspector.blocking(self._step, "the replica check"):
+            self._checked(lambda: check_replicas(self.comm, self._step, named, self._replicas_agreed_at, joined=joined))
         self._replicas_agreed_at = self._step
 
     # ------------------------------------------------------------------------------- layouts
@@ -337,15 +389,19 @@ class PipelineEngine:
             order = [i for i in self._ready_order if i in chosen]
             layout = plan_buckets(self.specs, order, self.config.fusion_threshold_bytes)
             self._layouts[key] = layout
+            size = self.comm.size
+            if size > 1:  # the membership flags ride with the step's last bucket
+                self._flag_at[layout.key] = side_region(self.codec, layout.buckets[-1].numel, size, size)
         return layout
 
     def _check_trainable_agree(self, layout: FusionLayout) -> None:
         """Ranks that freeze different parameters would issue different collectives. Run for
         every new set, the full one too: a rank that froze something before step 0 is caught."""
         try:
-            check_ranks_agree(self.comm, {"tensors that require grad": [
-                (self.specs[i].name, tuple(self.specs[i].shape), self.specs[i].dtype) for i in layout.indices]},
-                f"{self.config.name}.trainable")
+            with self.inspector.blocking(self._step, "the check of the tensors that require grad"):
+                check_ranks_agree(self.comm, {"tensors that require grad": [
+                    (self.specs[i].name, tuple(self.specs[i].shape), self.specs[i].dtype) for i in layout.indices]},
+                    f"{self.config.name}.trainable")
         except ValueError as exc:
             raise ValueError(f"{exc}; here: set requires_grad on the same parameters on every rank, at the same "
                              "step") from None
@@ -356,13 +412,16 @@ class PipelineEngine:
     def _like(self, bucket: Bucket) -> Any:
         return self._anchors.get(bucket.device)
 
-    def _new_buffer(self, bucket: Bucket) -> Tensor:
+    def _new_buffer(self, bucket: Bucket, flags: Optional[Tuple[int, int]] = None) -> Tensor:
         """A bucket's fusion buffer. A byte codec's float32 bucket gets the room its compressed
         all-reduce's rows take, zero past the gradients and never written there, so the bucket is
         encoded where it lies; without the room the all-reduce copies it into a padded one on
-        every step, a whole pass over the gradient on the comm thread (compression/allreduce.py)."""
+        every step, a whole pass over the gradient on the comm thread (compression/allreduce.py).
+        ``flags``: (offset, length) of the membership flags this bucket carries (the step's last)."""
         length = bucket.numel
-        if not self.codec.summable and bucket.dtype == "float32":
+        if flags is not None:
+            length = flags[1]
+        elif not self.codec.summable and bucket.dtype == "float32":
             length = padded_numel(self.codec, bucket.numel, self.comm.size)
         buffer = self.ops.empty((length,), bucket.dtype, like=self._like(bucket))
         if length > bucket.numel:
@@ -392,6 +451,8 @@ class PipelineEngine:
         name = schedule.op_name(cur.layout, bucket.index, schedule.slot_tag(cur.step))
         key = schedule.state_key(cur.layout, bucket.index)
         seed = schedule.seed(bucket.index, self.comm.rank, cur.step)
+        flags = self._flag_at.get(cur.layout.key) if bucket.index == len(cur.layout.buckets) - 1 else None
+        numel = flags[1] if flags is not None else bucket.numel  # flags: keep the rows side_region planned
         if codec.summable:  # a plain all-reduce, started now; waited for when the step is applied
             return reduce_bucket(ops, self.comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
                                  prescale=prescale, postscale=postscale)
@@ -407,13 +468,14 @@ class PipelineEngine:
         topology = self.topology.with_comms(wrap) if self.topology is not None else None
 
         def reduce() -> Tuple[Tensor, int]:
-            # The padded buffer (_new_buffer) serves both: the hierarchical layout is the flat one's for N ranks.
+            # The padded buffer (_new_buffer) serves both: the hierarchical layout is the flat one's for N
+            # ranks, so the membership flags' block (side_region) is a block of its own in either.
             if topology is not None:
                 return hierarchical_allreduce(ops, topology, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
-                                              prescale=prescale, postscale=postscale, numel=bucket.numel,
+                                              prescale=prescale, postscale=postscale, numel=numel,
                                               local_dtype=cfg.hierarchical)
             return compressed_allreduce(ops, comm, codec, flat, name=name, key=key, seed=seed, op=cfg.op,
-                                        prescale=prescale, postscale=postscale, numel=bucket.numel)
+                                        prescale=prescale, postscale=postscale, numel=numel)
 
         def job() -> Tuple[Tensor, int, Any]:
             if abort.is_set():
@@ -436,32 +498,7 @@ class PipelineEngine:
             ops.record_use(out)
             return out, sent
 
-        return Reduction(wait)
-
-    def _launch_members(self, cur: _Step, joined: bool) -> Reduction:
-        """One tiny sum per step, after its buckets: which ranks are still training. It is what
-        lets a rank that ran out of data keep taking part with zeros until every rank has
-        (:meth:`OptimizerCore.join`, Horovod's ``hvd.join()`` semantics), at the cost of one
-        4-byte-per-rank all-reduce per step, waited for with the step. Issued by the thread that
-        issues the step's reductions, so every rank issues it in the same order among them."""
-        ops, size, rank = self.ops, self.comm.size, self.comm.rank
-        flags = ops.zeros((size,), "float32")
-        if not joined:
-            ops.fill_(flags, rank, 1, 1.0)
-        name = self.schedule.members_name(cur.layout, cur.step)
-        if self.codec.summable:
-            return reduce_bucket(ops, self.comm, _PLAIN, flags, name=name, key="members", seed=Seed(0),
-                                 op=ReduceOp.SUM)
-        comm, abort = _AbortableComm(self.comm, self._abort), self._abort
-
-        def job() -> Tuple[Tensor, int]:
-            if abort.is_set():
-                raise RuntimeError(f"{name} was not started: an earlier reduction on this rank failed")
-            return reduce_bucket(ops, comm, _PLAIN, flags, name=name, key="members", seed=Seed(0),
-                                 op=ReduceOp.SUM).wait()
-
-        future = self._submit(job)
-        return Reduction(future.result)
+        return Reduction(wait, done=future.done, future=future)
 
     def _submit(self, job: Callable[[], Any]) -> concurrent.futures.Future:
         """Runs ``job`` on the comm thread: the shared communicator's issue thread, or this engine's own."""
@@ -476,30 +513,34 @@ class PipelineEngine:
     def _finish(self, s: _Step) -> AppliedStep:
         if s.grads is None:
             grads: Dict[int, Tensor] = {}
+            flags = self._flag_at.get(s.layout.key)
+            last = len(s.layout.buckets) - 1
             for bucket, reduction in zip(s.layout.buckets, s.reductions):
                 assert reduction is not None
                 try:
-                    flat, sent = reduction.wait()
-                except BaseException as exc:  # a lost peer, a timeout, or an interrupt mid-wait
+                    flat, sent = self.inspector.wait(reduction, s.step, bucket.index, "the reduction")
+                except BaseException as exc:  # a lost peer, a timeout, a verdict, or an interrupt mid-wait
                     self._fail(exc)
                     raise
                 self.stats.bytes_sent += sent
                 for m in bucket.members:
                     grads[m.index] = self.ops.view(flat, m.offset, m.numel, m.shape)
-            if s.members is not None:
-                try:
-                    counts, _ = s.members.wait()
-                except BaseException as exc:
-                    self._fail(exc)
-                    raise
-                s.training = [bool(v > 0.5) for v in self.ops.host_array(counts).tolist()]
-                s.members = None
+                if flags is not None and bucket.index == last:  # a copy: the buffer is reused
+                    s.flags = self.ops.new_state(self.ops.view(flat, flags[0], self.comm.size, (self.comm.size,)))
             self.stats.fp32_bytes += self.schedule.fp32_wire_bytes(s.layout, self.comm.size)
             self.stats.steps += 1
             s.grads, s.reductions = grads, []
         # A byte codec's reduced bucket is its decode's new output, never a fusion buffer (a
         # summable codec reduces in the buffer itself, which the step after next refills).
-        return AppliedStep(s.step, s.grads, s.meta, s.training, owned=not self.codec.summable)
+        return AppliedStep(s.step, s.grads, s.meta, self._membership(s.flags), owned=not self.codec.summable)
+
+    def _membership(self, flags: Any) -> Optional[Callable[[], List[bool]]]:
+        """Reads the reduced flags: a training rank's is ``flag_unit`` (1 times the scale factors),
+        a joined rank's 0; "more than half" is robust to a cast's rounding of the unit."""
+        if flags is None:
+            return None
+        ops, half = self.ops, 0.5 * self._flag_unit
+        return lambda: [bool(v > half) for v in ops.host_array(flags).tolist()]
 
     # ------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:

@@ -71,29 +71,37 @@ TORCH_RESYNC = "hvd.broadcast_parameters(model.state_dict(), root_rank=0)"
 
 
 def check_replicas(comm: Communicator, step: int, named: Sequence[Tuple[str, Any]],
-                   last_agreed: int = 0, resync: str = TORCH_RESYNC) -> None:
+                   last_agreed: int = 0, resync: str = TORCH_RESYNC, joined: bool = False) -> None:
     """Compares a checksum of every (name, host array) across ranks; raises
     :class:`ReplicaDriftError` on every rank naming the first tensor that differs.
-    ``last_agreed``: the step of the previous check that passed (for the message)."""
-    mine = (int(step), [checksum(array) for _, array in named])
+    ``last_agreed``: the step of the previous check that passed (for the message). ``joined``:
+    this rank has joined (uneven data): it sends its step count only; its weights, which no
+    longer follow the others' until the broadcast after ``join()``, are not compared."""
+    mine = (int(step), [] if joined else [checksum(array) for _, array in named], bool(joined))
     everyone = comm.allgather_object(mine, REPLICAS_OP_NAME)
     raise_if_replicas_differ(everyone, step, [name for name, _ in named], last_agreed, resync)
 
 
-def raise_if_replicas_differ(everyone: Sequence[Tuple[int, Sequence[Any]]], step: int, names: Sequence[str],
+def raise_if_replicas_differ(everyone: Sequence[Tuple[Any, ...]], step: int, names: Sequence[str],
                              last_agreed: int = 0, resync: str = TORCH_RESYNC) -> None:
-    """The comparison of :func:`check_replicas`, given every rank's (step, checksums) in rank
-    order (gathered by any means: the TensorFlow adapter gathers them inside its traced step)."""
-    steps = [int(s) for s, _ in everyone]
+    """The comparison of :func:`check_replicas`, given every rank's (step, checksums[, joined]) in
+    rank order (gathered by any means: the TensorFlow adapter gathers them inside its traced step).
+    Joined ranks are left out of the weight comparison; the first rank still training is the
+    reference."""
+    steps = [int(entry[0]) for entry in everyone]
     if len(set(steps)) > 1:
         raise StepCountMismatchError(_steps_message(steps, f"the replica check of step {step}"))
-    reference = everyone[0][1]
+    training = [r for r, entry in enumerate(everyone) if not (len(entry) > 2 and entry[2])]
+    if not training:
+        return
+    ref = training[0]
+    reference = everyone[ref][1]
     for i, name in enumerate(names):
-        differing = [r for r, (_, sums) in enumerate(everyone) if sums[i] != reference[i]]
+        differing = [r for r in training if everyone[r][1][i] != reference[i]]
         if differing:
             ranks = ", ".join(str(r) for r in differing)
             raise ReplicaDriftError(
-                f"replicas differ at step {step}: parameter '{name}' on rank(s) {ranks} differs from rank 0 "
+                f"replicas differ at step {step}: parameter '{name}' on rank(s) {ranks} differs from rank {ref} "
                 f"(they were identical at step {last_agreed}). Something changed some ranks' weights alone: an "
                 "update or weight edit run on some ranks only, load_state_dict() on one rank, or a rank-dependent "
                 f"branch. Fix that code, then resume every rank from the same checkpoint (or re-sync with {resync})")

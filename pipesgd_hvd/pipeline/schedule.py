@@ -73,10 +73,6 @@ class PipelineSchedule:
         traced step's roles ("stale", "sync", "flush")."""
         return f"{self.config.name}.{layout.key}.b{bucket}.{tag}"
 
-    def members_name(self, layout: FusionLayout, step: int) -> str:
-        """The name of a step's membership sum (which ranks are still training)."""
-        return f"{self.config.name}.{layout.key}.members.{self.slot_tag(step)}"
-
     def slot_tag(self, step: int) -> str:
         """Up to K steps are in flight at once; step s reuses the names of step s - K."""
         return f"s{step % self.width}"

@@ -3,7 +3,6 @@ import os
 import tempfile
 
 import keras
-import numpy as np
 
 import pipesgd_hvd.keras as hvd
 from keras_common import BATCH, LOSS, assert_replicas_identical, digest, passed, rank_data

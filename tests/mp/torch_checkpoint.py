@@ -50,7 +50,9 @@ if mode == "part1":
     assert len(state["pipesgd"]["in_flight"]) == 1, "width 2 keeps one step in flight"
     if compression in ("int8", "int4"):  # error feedback: this rank's residuals travel with the checkpoint
         residuals = state["pipesgd"]["codec"]["residuals"]
-        assert residuals and all(bool(r.any()) for r in residuals.values()), "no error-feedback residual saved"
+        # (not every one: a rank's reduced chunk of a step's last bucket may hold only the membership
+        # flags, which quantize exactly, so its residual is zero)
+        assert residuals and any(bool(r.any()) for r in residuals.values()), "no error-feedback residual saved"
     torch.save({"model": model.state_dict(), "optimizer": state}, f"{directory}/ckpt.{rank}.pt")
     if prediction:
         assert state["pipesgd"]["prediction"]["started"], "the prediction state travels with the checkpoint"
