@@ -207,6 +207,36 @@ def test_a_rank_that_exits_without_join_is_named_and_says_so_itself():
     assert "this rank exits after 2 step(s) while rank(s) [0] still need its share" in results[1], results[1]
 
 
+def test_a_closed_connection_is_explained_by_the_board_when_the_peer_said_why():
+    """A rank that leaves tells the board, then its process ends and its connections close; the
+    closed connection can reach the waiting rank before the monitor's next look at the board. The
+    error must still name the rank and why it left (CI saw the transport's bare error once)."""
+    from pipesgd_hvd.comm.board import MemoryBoard
+    from pipesgd_hvd.pipeline.stall import StallInspector, StallSettings
+
+    shared, lock = {}, threading.Lock()
+    boards = [MemoryBoard(shared, lock, r, 2, "job") for r in range(2)]
+    boards[1].publish(entry(phase="exit", begun=2, ended=2))
+    settings = StallSettings(period_s=3600.0, check_s=0.0, shutdown_s=0.0)  # the monitor never looks
+    inspector = StallInspector(0, 2, boards[0], "job", settings=settings)
+
+    class Closed:
+        future = None
+
+        def done(self):
+            return True
+
+        def wait(self):
+            raise PeerLostError("alltoall failed: connection closed by peer")
+
+    try:
+        with pytest.raises(PeerLostError, match=r"rank 1 is exiting after 2 step\(s\)") as raised:
+            inspector.wait(Closed(), step=2, bucket=0, what="the reduction")
+        assert "connection closed by peer" in str(raised.value.__cause__)
+    finally:
+        inspector.close()
+
+
 def test_a_rank_inside_horovods_own_join_is_named(tmp_path):
     """Horovod's join blocks in C with the GIL released; a function named join in a horovod
     directory, blocked on an event, stands in for it."""

@@ -165,6 +165,26 @@ class StallInspector:
         """``reduction.wait()``, but a verdict (a peer that can never come, a stall shutdown)
         ends it with an error instead of a silent wait. When the result is already there (the
         usual case in a pipeline) this is one ``done()`` call and the wait itself."""
+        try:
+            return self._wait(reduction, step, bucket, what)
+        except PeerLostError as exc:
+            # A peer that leaves tells the board before its process ends and closes its
+            # connections, but the closed connection can reach this rank before the monitor's next
+            # look at the board: look now, so that the error names the rank and why it left.
+            verdict = self._verdict_after_loss(step)
+            if verdict is None or verdict is exc:
+                raise
+            raise verdict from exc
+
+    def _verdict_after_loss(self, step: int) -> Optional[BaseException]:
+        if self.verdict is None and self.board is not None:
+            try:
+                self._judge(self._read(), step)
+            except BoardUnavailable:
+                pass
+        return self.verdict
+
+    def _wait(self, reduction: Any, step: int, bucket: Optional[int], what: str) -> Any:
         if reduction.done():
             return reduction.wait()
         self.status.wait = Wait(step, bucket, what, time.monotonic())

@@ -78,7 +78,7 @@ def step(t):
 
 for t in range(4):
     step(t)
-channel = opt._core.comm
+channel = getattr(opt._core.comm, "inner", opt._core.comm)  # the channel behind the process's shared communicator
 everyone = hvd.allgather_object(listening_ports(), name="foreign.ports")
 if rank == 0:
     store_port = channel._store.port
