@@ -47,7 +47,9 @@ LM_CONFIGS = tuple(CONFIGS)   # sync, width 2, every correction; each with and w
 # (mostly the 2 ranks' per-call communication) make the study about 3.2 hours.
 STANDARD_CONFIGS = LM_CONFIGS
 SGD_CONFIGS = ("sync", "w2", *(f"w2-{CORRECTIONS[c]}-int8" for c in SGD_CORRECTIONS))
-RECIPE_CONFIGS = ("sync", "w2")   # "w2-int8" too with --configs, where time allows
+# The recipes: does the optimizer tolerate the plain delay, and does split_batch still help it (the
+# rule of staleness_correction="auto" for optimizers that are neither SGD nor Adam's kin)
+RECIPE_CONFIGS = ("sync", "w2", "w2-split")
 
 
 @dataclass(frozen=True)
