@@ -45,10 +45,33 @@ def test_auto_follows_the_rule_for_each_family(family, make):
     assert _resolved(make) == rule.RULE[family]
 
 
-def test_auto_with_an_auto_width_takes_a_correction_that_survives_rebuilds():
-    got = _resolved(lambda p: torch.optim.AdamW(p, lr=1e-3), width="auto")
-    assert got == rule.RULE_WITH_AUTO["adaptive"]
-    assert got not in ("split_batch", "eager", "delay_compensation")
+@pytest.mark.parametrize("options", [dict(width="auto"), dict(compression="auto"), dict(width=3),
+                                     dict(grad_scaler=torch.amp.GradScaler("cpu"))],
+                         ids=["width-auto", "compression-auto", "width-3", "grad-scaler"])
+def test_auto_falls_back_where_the_rule_s_correction_cannot_run(options):
+    """The rule's split_batch refuses these settings by name; "auto" must not: it takes the
+    fallback, which runs with all of them."""
+    got = _resolved(lambda p: torch.optim.AdamW(p, lr=1e-3), **options)
+    assert got == rule.FALLBACK["adaptive"] != rule.RULE["adaptive"]
+
+
+def test_auto_keeps_the_rule_where_it_runs_synchronously():
+    assert _resolved(lambda p: torch.optim.AdamW(p, lr=1e-3), width=1) == rule.RULE["adaptive"]
+
+
+def test_a_named_correction_that_cannot_run_still_raises():
+    with pytest.raises(ValueError, match="split_batch.*width=3"):
+        _named("split_batch", width=3)
+    with pytest.raises(ValueError, match="does not support grad_scaler"):
+        _named("split_batch", grad_scaler=torch.amp.GradScaler("cpu"))
+
+
+def _named(correction, **options):
+    model = make_model()
+    return psgd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                     named_parameters=model.named_parameters(),
+                                     communicator=LocalWorld(1, TORCH_OPS).communicator(0),
+                                     staleness_correction=correction, **options)
 
 
 def test_keras_optimizer_families():

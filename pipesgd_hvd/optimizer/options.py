@@ -59,11 +59,12 @@ class PipelineOptions:
                        backward_passes_per_step: Any = 1,
                        sparse_as_dense: Any = False, auto_measure_steps: Any = 10, auto_recheck_every: Any = 500,
                        communicator: Any = None, process_set: Any = None, hvd: Any = None,
-                       optimizer_family: Optional[str] = None, hierarchical: Any = None) -> "PipelineOptions":
+                       optimizer_family: Optional[str] = None, hierarchical: Any = None,
+                       grad_scaler: bool = False) -> "PipelineOptions":
         """``hvd``: the Horovod module of the framework, if installed (resolves ``hvd.Average``,
         ``hvd.Sum``, ``hvd.Adasum`` and the global process set). ``optimizer_family``: the
         wrapped optimizer's (:data:`pipesgd_hvd.staleness.rule.FAMILIES`), which
-        ``staleness_correction="auto"`` chooses by."""
+        ``staleness_correction="auto"`` chooses by; ``grad_scaler``: a loss scaler is in use."""
         check_global_process_set(process_set, hvd)
         if not isinstance(sparse_as_dense, bool):
             raise ValueError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
@@ -72,13 +73,18 @@ class PipelineOptions:
                       fusion_threshold_bytes=fusion_threshold_bytes(fusion_threshold_mb), op=resolve_reduce_op(op, hvd),
                       gradient_predivide_factor=gradient_predivide_factor, seed=seed,
                       check_replicas_every=check_replicas_every or 0,
-                      staleness_correction=check_staleness_correction(staleness_correction, optimizer_family,
-                                                                      pipeline_auto=auto is not None),
+                      staleness_correction=check_staleness_correction(staleness_correction),
                       dc_lambda=check_dc_lambda(dc_lambda),
                       backward_passes_per_step=check_backward_passes(backward_passes_per_step),
                       sparse_as_dense=sparse_as_dense, auto=auto, communicator=communicator,
                       hierarchical=check_hierarchical(hierarchical))
-        check_correction_fits(options)
+        if options.staleness_correction == "auto":
+            options = options.replace(staleness_correction=choose_correction(
+                optimizer_family, lambda name: correction_refusal(options.replace(staleness_correction=name),
+                                                                  grad_scaler) is None))
+        refusal = correction_refusal(options, grad_scaler)
+        if refusal is not None:
+            raise ValueError(refusal)
         options.config("psgd")                   # bad pipeline settings fail here
         resolve_compression(options.initial()[1])  # so does an unknown codec
         return options
@@ -163,40 +169,43 @@ def check_global_process_set(process_set: Any, hvd: Optional[Any]) -> None:
                          "own DistributedOptimizer for a process set)")
 
 
-def check_correction_fits(options: PipelineOptions) -> None:
-    """The gradient-side corrections keep state per in-flight step, which the auto mode's
-    rebuilds would drop mid-run; eager swaps this rank's share of an average, so needs one; the
-    split-batch rule pairs steps two by two, which one step in flight allows."""
+def correction_refusal(options: PipelineOptions, grad_scaler: bool = False) -> Optional[str]:
+    """Why the staleness correction cannot run with the other settings (None: it can). The
+    gradient-side corrections keep state per in-flight step, which the auto mode's rebuilds would
+    drop mid-run, and mix gradients scaled by different loss scales; eager swaps this rank's share
+    of an average, so needs one; the split-batch rule pairs steps two by two, which one step in
+    flight allows."""
     correction = options.staleness_correction
     if correction not in GRADIENT_CORRECTIONS:
-        return
+        return None
     if options.auto is not None:
-        raise ValueError(f"staleness_correction={correction!r} does not support width='auto' or compression='auto' "
-                         "yet: pass a fixed width and compression")
+        return (f"staleness_correction={correction!r} does not support width='auto' or compression='auto' yet: pass "
+                "a fixed width and compression")
+    if grad_scaler:
+        return (f"staleness_correction={correction!r} does not support grad_scaler yet: train without a GradScaler "
+                "(bf16 autocast needs none), or use 'weight_prediction'")
     if correction == "split_batch" and options.width not in (1, 2):
-        raise ValueError(f"staleness_correction='split_batch' pairs two consecutive steps into one update (a look-ahead "
-                         f"half and a real half), which needs width=2 (or 1: synchronous), got width={options.width!r}")
+        return (f"staleness_correction='split_batch' pairs two consecutive steps into one update (a look-ahead half "
+                f"and a real half), which needs width=2 (or 1: synchronous), got width={options.width!r}")
     if correction == "eager" and options.op != ReduceOp.AVERAGE:
-        raise ValueError("staleness_correction='eager' swaps this rank's 1/size share of an average, so it needs "
-                         "op=hvd.Average (the default): drop op=hvd.Sum, or use 'delay_compensation'")
+        return ("staleness_correction='eager' swaps this rank's 1/size share of an average, so it needs op=hvd.Average "
+                "(the default): drop op=hvd.Sum, or use 'delay_compensation'")
     if correction == "eager" and options.check_replicas_every:
-        raise ValueError("staleness_correction='eager' makes replicas differ between steps by design (each rank "
-                         "applies its own fresh gradient), so check_replicas_every cannot be used with it: set "
-                         "check_replicas_every=0, or use 'delay_compensation'")
+        return ("staleness_correction='eager' makes replicas differ between steps by design (each rank applies its own "
+                "fresh gradient), so check_replicas_every cannot be used with it: set check_replicas_every=0, or use "
+                "'delay_compensation'")
+    return None
 
 
-def check_staleness_correction(value: Any, optimizer_family: Optional[str] = None,
-                               pipeline_auto: bool = False) -> Optional[str]:
-    """``staleness_correction``: False/None (default), True (weight prediction), ``"auto"`` (the
-    rule of :mod:`pipesgd_hvd.staleness.rule` for ``optimizer_family``) or a name of
-    :data:`STALENESS_CORRECTIONS`."""
+def check_staleness_correction(value: Any) -> Optional[str]:
+    """``staleness_correction``: False/None (default), True (weight prediction), ``"auto"`` (kept:
+    the rule of :mod:`pipesgd_hvd.staleness.rule` resolves it once the other settings are known)
+    or a name of :data:`STALENESS_CORRECTIONS`."""
     if value is False or value is None:
         return None
     if value is True:
         return "weight_prediction"
-    if value == "auto":
-        return choose_correction(optimizer_family, pipeline_auto)
-    if isinstance(value, str) and value in STALENESS_CORRECTIONS:
+    if isinstance(value, str) and (value == "auto" or value in STALENESS_CORRECTIONS):
         return value
     raise ValueError(f"staleness_correction must be False, True, 'auto' or "
                      f"{' / '.join(map(repr, STALENESS_CORRECTIONS))}, got {value!r}")

@@ -6,7 +6,7 @@ wrapped optimizer belongs to (:data:`FAMILIES`); :func:`choose` maps it to a cor
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 #: adaptive: Adam and its kin (per-coordinate step sizes: Adam, AdamW, NAdam, RAdam, Adamax,
 #: Adagrad, Adadelta, RMSprop); sgd: SGD with or without momentum; other: anything else
@@ -16,15 +16,17 @@ FAMILIES = ("adaptive", "sgd", "other")
 #: The correction each family gets at width 2 (docs/accuracy.md, "The rule").
 RULE: Dict[str, Optional[str]] = {"adaptive": "split_batch", "sgd": "eager", "other": None}
 
-#: With width="auto" or compression="auto" the pipeline is rebuilt mid-run, which the corrections
-#: that keep per-step state do not survive: weight prediction stands in for them.
-RULE_WITH_AUTO: Dict[str, Optional[str]] = {"adaptive": "weight_prediction", "sgd": "weight_prediction",
-                                            "other": None}
+#: Where the family's correction cannot run with the other settings (width="auto" or
+#: compression="auto": the pipeline is rebuilt mid-run, which the corrections that keep per-step
+#: state do not survive; split_batch at width >= 3; a GradScaler), the one that runs with all.
+FALLBACK: Dict[str, Optional[str]] = {"adaptive": "weight_prediction", "sgd": "weight_prediction", "other": None}
 
 
-def choose(family: Optional[str], pipeline_auto: bool) -> Optional[str]:
-    """The correction for an optimizer of ``family`` (None: no correction)."""
+def choose(family: Optional[str], fits: Callable[[str], bool] = lambda correction: True) -> Optional[str]:
+    """The correction for an optimizer of ``family`` (None: no correction); ``fits(name)``: whether
+    that correction runs with the other settings (if not, :data:`FALLBACK`'s)."""
     if family not in FAMILIES:
         raise ValueError(f"staleness_correction='auto' needs the wrapped optimizer's family, one of {FAMILIES}; "
                          f"got {family!r}: pass a correction by name instead")
-    return (RULE_WITH_AUTO if pipeline_auto else RULE)[family]
+    first = RULE[family]
+    return first if first is None or fits(first) else FALLBACK[family]

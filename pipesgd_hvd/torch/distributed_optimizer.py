@@ -20,7 +20,7 @@ from ..compression import Compression
 from ..optimizer import checkpoint
 from ..optimizer.core import OptimizerCore
 from ..optimizer.elastic import is_elastic_job
-from ..optimizer.options import GRADIENT_CORRECTIONS, PipelineOptions
+from ..optimizer.options import PipelineOptions
 from ..pipeline.config import WireStats
 from ..pipeline.engine import PipelineEngine
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
@@ -107,6 +107,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a pipesgd_hvd DistributedOptimizer")
+        checks.check_grad_scaler(grad_scaler)
         options = PipelineOptions.from_arguments(
             width=width, compression=compression, warmup_steps=warmup_steps, fusion_threshold_mb=fusion_threshold_mb,
             op=op, gradient_predivide_factor=gradient_predivide_factor, seed=seed,
@@ -114,12 +115,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             dc_lambda=dc_lambda, backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
             auto_measure_steps=auto_measure_steps, auto_recheck_every=auto_recheck_every,
             communicator=communicator, process_set=process_set, hvd=_hvd,
-            optimizer_family=checks.optimizer_family(optimizer), hierarchical=hierarchical)
-        checks.check_grad_scaler(grad_scaler)
-        if grad_scaler is not None and options.staleness_correction in GRADIENT_CORRECTIONS:
-            # Their terms mix gradients scaled by different loss scales (g * g, local shares).
-            raise ValueError(f"staleness_correction={options.staleness_correction!r} does not support grad_scaler "
-                             "yet: train without a GradScaler (bf16 autocast needs none), or use 'weight_prediction'")
+            optimizer_family=checks.optimizer_family(optimizer), hierarchical=hierarchical,
+            grad_scaler=grad_scaler is not None)
         if communicator is not None and not isinstance(communicator, str):
             checks.check_communicator(communicator)
         named = checks.named_parameters(optimizer, named_parameters)
