@@ -32,7 +32,8 @@ def test_two_hosts_of_two_ranks_under_horovodrun():
     assert leftover_namespaces(prefix) == []
     assert out.returncode == 0, out.stdout[-6000:]
     for check in ["hierarchical-int8", "hierarchical-int4", "hierarchical-fp16", "hierarchical-int8-bf16-node",
-                  "counted-cross-host-bytes", "train-flat", "train-hierarchical"]:
+                  "counted-cross-host-bytes", "train-flat", "train-hierarchical",
+                  "train-second-hierarchical"]:
         assert len(re.findall(rf"PASS rank\d {re.escape(check)}\n", out.stdout)) == 4, (check, out.stdout[-4000:])
     host_bytes = {mode: [int(b) for b in re.findall(rf"HOSTBYTES {mode} (\d+)", out.stdout)]
                   for mode in ("flat", "hierarchical")}

@@ -146,7 +146,10 @@ def test_every_optimizer_of_a_process_uses_the_one_communicator_and_exit_keeps_i
 def test_node_groups_are_built_on_the_shared_channel(monkeypatch):
     """The hierarchical reduction's node groups (comm/topology.py) are sub-channels of the
     pipeline channel; the optimizer now holds the channel inside the shared communicator, and
-    hierarchical=True must still find it (it raised 'not on OrderedCommunicator')."""
+    hierarchical=True must still find it (it raised 'not on OrderedCommunicator'). Every optimizer
+    of the process builds its own groups on that one channel, under keys of its own (two ranks in
+    one process did not hang under shared keys; tests/mp/hierarchical_cluster.py, across
+    processes, did)."""
     from pipesgd_hvd.comm import topology
     from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
     from pipesgd_hvd.comm.topology import NodeLayout, resolve_topology
@@ -160,12 +163,15 @@ def test_node_groups_are_built_on_the_shared_channel(monkeypatch):
     def rank_fn(rank):
         ranks[threading.get_ident()] = rank
         comm = OrderedCommunicator(PipelineChannel(stores[rank], rank, 2, address="127.0.0.1", secret=b"0123456789abcdef-the-jobs-secret",
-                                                   timeout=30.0), TORCH_OPS)
+                                                   timeout=15.0), TORCH_OPS)
         try:
-            groups = resolve_topology(True, comm, name="t.topology")
-            results[rank] = (type(groups.local).__name__, groups.local.size, groups.cross.size,
-                             groups.local.allgather_async(torch.full((1, 3), float(rank)), "t.ag").wait()[:, 0].tolist())
-            groups.close()
+            first = resolve_topology(True, comm, name="t.topology")
+            second = resolve_topology(True, comm, name="u.topology")  # a second optimizer's, the first still open
+            results[rank] = [(type(groups.local).__name__, groups.local.size, groups.cross.size,
+                              groups.local.allgather_async(torch.full((1, 3), float(rank + i)), f"t.ag{i}")
+                              .wait()[:, 0].tolist()) for i, groups in enumerate((first, second))]
+            first.close()
+            second.close()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         finally:
@@ -177,4 +183,4 @@ def test_node_groups_are_built_on_the_shared_channel(monkeypatch):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert results == [("PipelineChannel", 2, 1, [0.0, 1.0])] * 2
+    assert results == [[("PipelineChannel", 2, 1, [0.0, 1.0]), ("PipelineChannel", 2, 1, [1.0, 2.0])]] * 2

@@ -109,13 +109,16 @@ def _sub_channel(parent: Any, rank: int, size: int, label: str) -> Any:
                            device_group=parent._device_factory)
 
 
-def channel_topology(channel: Any, layout: NodeLayout) -> Topology:
-    """The node and cross-node groups as channels beside ``channel`` (a PipelineChannel).
+def channel_topology(channel: Any, layout: NodeLayout, name: str) -> Topology:
+    """The node and cross-node groups as channels beside ``channel`` (a PipelineChannel), named
+    ``name`` (the same on every rank, and different for every topology of the channel: every
+    optimizer of the process builds its own on the one shared channel, and groups under the same
+    keys of its store would meet the earlier groups' entries and never connect).
     Collective: every rank calls it at the same point, with the layouts checked alike
     (:func:`resolve_topology`). The node group is built first on every rank, then the cross one."""
-    local = _sub_channel(channel, layout.local_rank, layout.local_size, f"node{layout.cross_rank}")
+    local = _sub_channel(channel, layout.local_rank, layout.local_size, f"{name}/node{layout.cross_rank}")
     try:
-        cross = _sub_channel(channel, layout.cross_rank, layout.cross_size, f"cross{layout.local_rank}")
+        cross = _sub_channel(channel, layout.cross_rank, layout.cross_size, f"{name}/cross{layout.local_rank}")
     except BaseException:
         local.close()
         raise
@@ -199,7 +202,7 @@ def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topol
         return None
     if not required and not layout.worth_it:
         return None
-    return channel_topology(_channel(comm), layout)
+    return channel_topology(_channel(comm), layout, name)
 
 
 def _channel(comm: Communicator) -> Any:

@@ -107,3 +107,18 @@ for mode, choice in (("flat", False), ("hierarchical", None)):
     if hvd.local_rank() == 0:
         print(f"HOSTBYTES {mode} {sent}", flush=True)
     passed(f"train-{mode}")
+
+# A second hierarchical optimizer in the same process, the first still open: its node groups are
+# built on the same shared channel, under keys of its own (under the first one's, Gloo's rendezvous
+# never completed: the throughput benchmark, which builds one optimizer per configuration, hung).
+second_model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+second = psgd.DistributedOptimizer(torch.optim.SGD(second_model.parameters(), lr=0.01),
+                                   named_parameters=second_model.named_parameters(), compression="int4",
+                                   hierarchical=True)
+for _ in range(3):
+    second.zero_grad()
+    second_model(torch.randn(8, 64, generator=gen)).square().mean().backward()
+    second.step()
+second.flush()
+assert_replicas_identical(second_model.parameters(), "train.second")
+passed("train-second-hierarchical")
