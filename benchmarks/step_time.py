@@ -4,28 +4,11 @@
     horovodrun -np 8 -H a:4,b:4 python benchmarks/step_time.py --out step_time.json
     python benchmarks/step_time.py --compare before.json after.json           # after / before, no ranks
 
-Configurations (``--configs``; Horovod's always runs, every speed-up is over it): ``horovod``
-(``hvd.DistributedOptimizer``), ``w1`` and ``w2`` (pipesgd width 1 and 2), ``w2-<codec>`` (fp16,
-bf16, truncate16, int8, int4), ``w2-split`` and ``w2-split-<codec>`` (``staleness_correction=
-"split_batch"``), ``auto`` (``width="auto", compression="auto"``, timed in the configuration it
-chose before the rounds). Each trains its own copy of one model (``--layers`` x Linear(dim, dim),
-``--small``: 8 x Linear(256, 256), batch 64) on one fixed random batch, interleaved in rounds so
-that load on the machine hits all alike; one untimed update refills the pipeline before each
-segment of ``--steps`` timed updates, ``flush()`` ends it.
-
-*Update*: one optimizer update on ``--batch`` samples. Under split_batch an update takes two calls
-of half the batch each (a look-ahead half, a real half; each call's all-reduce hides behind the
-next call's half of the compute), so its row is timed per pair of calls: the same samples per
-update as the others, and two all-reduces of the gradient instead of one.
-
-Columns: *step*, the median over updates of the slowest rank's wall time; *speed-up*, Horovod's
-step over the row's; *host*, the training thread's CPU per update (``time.thread_time``) beyond
-compute alone (the same model and inner optimizer without communication): the step path's own
-cost on that thread (pipesgd's waits block and cost none; a wait that polls counts); *other
-threads*, the rank's other threads' CPU per update (the comm thread, Horovod's background loop);
-*wire*, bytes a rank sent per update over what one float32 all-reduce sends (counted by the
-engine; "-" for Horovod's and on one rank). CPU figures are the mean over ranks of each rank's
-median. Rank 0 prints the tables and writes every row and sample to ``--out`` (JSON).
+Every configuration (``--configs``; grammar: ``options``) trains its own copy of one model on one
+fixed batch, interleaved with the others in rounds, so that load on the machine hits all alike;
+Horovod's always runs, every speed-up is over it. An update is one optimizer update on ``--batch``
+samples: two calls of half of it under split_batch. The columns: docs/benchmarks.md, "Step time on
+your cluster". Rank 0 prints the tables and writes every row and sample to ``--out`` (JSON).
 """
 from __future__ import annotations
 
@@ -46,25 +29,33 @@ VALID = ("horovod", "w1", "w2", *(f"w2-{c}" for c in CODECS), "w2-split", *(f"w2
 DEFAULT = ("horovod", "w1", "w2", "w2-fp16", "w2-int8", "w2-int4", "w2-split", "w2-split-int8", "auto")
 
 
-def select(names: Sequence[str]) -> List[str]:
-    """The configurations to run, in ``VALID``'s order, Horovod's among them; an unknown name raises."""
+def select(names: Sequence[str], valid: Sequence[str] = VALID, extra: Sequence[str] = ()) -> List[str]:
+    """The configurations to run (``names``, each may be a comma list; with ``extra``), in ``valid``'s
+    order, Horovod's among them; an unknown name raises, naming the valid ones."""
     names = [n for part in names for n in part.split(",") if n]
-    unknown = [n for n in names if n not in VALID]
+    unknown = [n for n in names if n not in valid]
     if unknown:
-        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; valid: {', '.join(VALID)}")
-    return [k for k in VALID if k in {"horovod", *names}]
+        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return [k for k in valid if k in {"horovod", *names, *extra}]
 
 
-def options(key: str) -> Dict[str, Any]:
-    """pipesgd's arguments for a configuration key (not ``horovod``)."""
+def options(key: str, layer_mb: float = 0.0) -> Dict[str, Any]:
+    """pipesgd's arguments for a configuration key (not ``horovod``): ``auto``, or ``w<width>`` then,
+    each optional: ``-split`` (split_batch), ``-flat``/``-hier`` (hierarchical off/on; neither: the
+    default, on where it helps), ``-layer`` (buckets of ``layer_mb``, one layer) or a codec."""
     if key == "auto":
         return {"width": "auto", "compression": "auto", "auto_recheck_every": 0}
     width, *rest = key[1:].split("-")
     extra: Dict[str, Any] = {"width": int(width), "compression": "none"}
-    if rest[:1] == ["split"]:
-        extra["staleness_correction"], rest = "split_batch", rest[1:]
-    if rest:
-        extra["compression"] = rest[0]
+    for part in rest:
+        if part == "split":
+            extra["staleness_correction"] = "split_batch"
+        elif part in ("flat", "hier"):
+            extra["hierarchical"] = part == "hier"
+        elif part == "layer":
+            extra["fusion_threshold_mb"] = layer_mb
+        else:
+            extra["compression"] = part
     return extra
 
 

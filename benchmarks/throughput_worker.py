@@ -1,21 +1,11 @@
-"""One rank of the throughput benchmark (``benchmarks/throughput.py`` starts it on every host).
+"""One rank of the emulated-cluster study: ``benchmarks/throughput.py`` starts it on every rank with
+its settings in a JSON file; rank 0 prints one JSON line (``MARKER``) with every rank's samples.
 
-Everything compared is measured in this one launch, interleaved in rounds, so that the load of
-the shared machine hits all configurations alike. Per round:
-
-* training segments, one per configuration (compute only, Horovod's ``DistributedOptimizer``,
-  pipesgd width 1 / 2 / 2 + codec / 2 + split_batch + codec), and the engine-free width-2 loops:
-  one untimed update (refills a flushed pipeline), ``steps`` timed updates, ``flush()``; each
-  rank's CPU per thread is read around the segment. A split_batch update is two calls of half the
-  batch (ACCO's unit: the samples of one update of the others);
-* the collectives alone, with the CPU each costs the rank: Horovod's float32 all-reduce of the
-  gradient, of a quarter of it and a small one (the link fit), our compressed all-reduce per codec
-  on a pipeline channel (the transport pipesgd uses under Horovod), an idle 0.25 s;
-* a float32 add of the gradient (the reduction cost gamma).
-
-With ``--offload-compute`` the forward and backward passes are waits of their measured times
-(``benchmarks/offloaded_compute.py``). Rank 0 prints one JSON line (``MARKER``) with every
-rank's samples.
+Everything compared runs in this one launch, interleaved in rounds, so that the load of the shared
+machine hits all alike. Per round: a training segment per configuration and the engine-free width-2
+loops (an untimed update refills the flushed pipeline, then ``steps`` timed ones; CPU per thread
+and the host link's bytes read around them); each collective alone with the CPU it costs; a
+float32 add; with several ranks per host (``--hierarchical``) the links its model needs.
 """
 from __future__ import annotations
 
@@ -23,25 +13,27 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
-import math
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
+from .step_time import CODECS, calls_per_update, options
 from .thread_cpu import ThreadClock, ThreadGroupClock, machine_busy, native_thread_ids
 
 if TYPE_CHECKING:
     from .offloaded_compute import OffloadedCompute
 
 MARKER = "THROUGHPUT_RESULT "
-CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
 # "w1-layer": width 1 with buckets capped at one layer, as Horovod's per-tensor reductions: the
 # control for the default fusion plan (buckets that close early, pipesgd_hvd/pipeline/fusion.py).
 # "w2-split-<codec>": staleness_correction="split_batch" (its all-reduce runs twice per update).
 TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS), "w2-split-int8", "w2-split-int4")
+# The hierarchical kind's rows (2 ranks per host): width 2, flat and hierarchical reductions.
+HIERARCHICAL = tuple(f"w2-{form}-{c}" for c in ("int8", "int4") for form in ("flat", "hier"))
 # "loop-<codec>": the pipelined schedule without the engine: compute step t, start its all-reduce,
 # wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
 # machine allows a width-2 pipeline; the engine's own overhead is the difference.
@@ -50,13 +42,27 @@ LOOPS = tuple(f"loop-{c}" for c in ("none", *CODECS))
 # (its decision is part of the result); compared with the fixed rows it could have chosen.
 AUTO = "auto"
 IDLE_S = 0.25  # the idle segment timed beside the collectives
-SEGMENTS = ("compute", *TRAINING, AUTO, *LOOPS)
+CROSS_BYTES = (4096, 1 << 21)  # the alltoalls across hosts (hierarchical kind): latency, then bandwidth
+SEGMENTS = ("compute", *TRAINING, *HIERARCHICAL, AUTO, *LOOPS)
+
+
+def reduction_of(key: str) -> str:
+    """The reduction a width-2 row runs, as timed alone: its codec, ``hier-<codec>`` if hierarchical."""
+    return ("hier-" if "-hier-" in key else "") + key.rsplit("-", 1)[1]
+
+
+def eth0_tx() -> int:
+    """Bytes this host's link has sent (the kernel's counter, read in the host's namespace)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            if line.strip().startswith("eth0:"):
+                return int(line.split(":", 1)[1].split()[8])
+    raise RuntimeError("no eth0: not on the emulated cluster")
 
 
 def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
-    """Values per bucket, in launch order, of pipesgd's fusion plan (``pipesgd_hvd.pipeline.fusion``) for
-    the benchmark's model, ``layers`` x Linear(dim, dim) in float32, whose gradients are ready
-    last layer first."""
+    """Values per bucket, in launch order, of pipesgd's fusion plan for ``layers`` x Linear(dim, dim)
+    in float32, whose gradients are ready last layer first."""
     specs = [spec for i in range(layers) for spec in (TensorSpec(f"{i}.weight", (dim, dim), "float32"),
                                                        TensorSpec(f"{i}.bias", (dim,), "float32"))]
     layout = plan_buckets(specs, list(range(len(specs)))[::-1], threshold)
@@ -81,6 +87,7 @@ class RankBench:
 
         from pipesgd_hvd.comm.horovod_torch import HorovodTorchCommunicator
         from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
+        from pipesgd_hvd.comm.topology import resolve_topology
         from pipesgd_hvd.compression import resolve_compression
 
         # Horovod's threads (its background loop and its Gloo context's), told apart from the
@@ -93,11 +100,11 @@ class RankBench:
         torch.manual_seed(hvd.rank())
         self.args, self.hvd, self.torch = args, hvd, torch
         self.x = torch.randn(args.batch, args.dim)
-        self.segments = segments_for(args.configs.split(",") if args.configs else (), args.quick)
-        self.configs = tuple(k for k in TRAINING if k in self.segments)
-        # the compressed all-reduces timed alone: those of the codecs this launch trains with
-        self.timed_codecs = tuple(dict.fromkeys(k.rsplit("-", 1)[1] for k in self.configs if k.startswith("w2-")))
-        self.runs = {key: self._make(key) for key in ("compute", *TRAINING, AUTO)
+        self.segments = segments_for(args.configs, args.quick)
+        self.configs = tuple(k for k in (*TRAINING, *HIERARCHICAL) if k in self.segments)
+        # the compressed all-reduces timed alone: those this launch's width-2 rows run
+        self.reductions = tuple(dict.fromkeys(reduction_of(k) for k in self.configs if k.startswith("w2-")))
+        self.runs = {key: self._make(key) for key in ("compute", *self.configs, AUTO)
                      if key in self.segments or key == "compute"}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
         self.flat = torch.randn(self.numel)
@@ -108,6 +115,9 @@ class RankBench:
         # the engine-free loops run on a pipeline channel, the transport the training rows use.
         self.comm = HorovodTorchCommunicator()
         self.channel = PipelineChannel.from_horovod(name="bench.channel")
+        # several ranks per host: the node groups of the hierarchical reductions timed alone
+        self.topology = resolve_topology(True, self.channel, name="bench.topology") if hvd.local_size() > 1 else None
+        self.host_of = self.channel.allgather_object(hvd.cross_rank(), "bench.hosts")
         self.codecs = {c: resolve_compression(c) for c in CODECS}
         self.clock = ThreadClock()
         self.samples: Dict[str, List[float]] = {}
@@ -130,19 +140,10 @@ class RankBench:
             return model, inner
         if key == "horovod":
             return model, self.hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-        if key == AUTO:  # decides once, before the rounds (decide_auto); no re-check while timed
-            return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width="auto",
-                                                    compression="auto", auto_measure_steps=args.auto_measure_steps,
-                                                    auto_recheck_every=0)
-        width, _, codec = key[1:].partition("-")
-        extra: Dict[str, Any] = {}
-        if codec.startswith("split-"):
-            extra["staleness_correction"], codec = "split_batch", codec[len("split-"):]
-        if codec == "layer":
-            extra["fusion_threshold_mb"] = (args.dim * args.dim + args.dim) * 4 / 2**20
-        codec = "none" if codec in ("", "layer") else codec
-        return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width=int(width),
-                                                compression=getattr(psgd.Compression, codec), **extra)
+        # auto decides once, before the rounds (decide_auto), with no re-check while timed
+        return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                auto_measure_steps=args.auto_measure_steps,
+                                                **options(key, layer_mb=(args.dim * args.dim + args.dim) * 4 / 2**20))
 
     def record(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
@@ -155,15 +156,13 @@ class RankBench:
 
     @staticmethod
     def horovod_name(tag: str) -> str:
-        """A Horovod op's name: the same every time for one role, as a training job's are. Fresh names
-        each take an entry of Horovod's response cache, which its background loop works through every
-        cycle: after 3000 of them that thread took 26-71 ms CPU per step against 11-27 ms with none
-        (2 emulated hosts, 142mbit). Reuse is safe: each op is waited for before the next of its name."""
+        """A Horovod op's name, the same every time for one role, as a training job's: fresh names fill
+        Horovod's response cache, which its loop works through every cycle (after 3000 of them that
+        thread took 26-71 ms CPU per step against 11-27 ms, 2 emulated hosts, 142mbit)."""
         return f"bench.{tag}"
 
     def progress(self, line: str) -> None:
-        """Rank 0 appends ``line`` to the driver's progress file (``--progress``), which the driver
-        echoes while the launch runs: a launch takes minutes, its stdout comes back only at the end."""
+        """Rank 0 appends ``line`` to the progress file the driver echoes (stdout comes back at the end)."""
         if self.args.progress and self.hvd.rank() == 0:
             with open(self.args.progress, "a") as f:
                 f.write(line + "\n")
@@ -191,10 +190,9 @@ class RankBench:
 
     # ------------------------------------------------------------------------------ training
     def offload_compute(self) -> "OffloadedCompute":
-        """``--offload-compute``: from here on, in every segment, waits stand in for the forward
-        and backward passes (``benchmarks/offloaded_compute.py``), as long as ``--device-times``
-        says, or else as the real passes took here (median of 5 steps after one, the slowest
-        rank's). Records the waits as ``device-forward`` and ``device-backward``."""
+        """From here on waits stand in for the forward and backward passes (``offloaded_compute.py``),
+        ``device_times`` long, or as the real passes took here (median of 5 steps after one, the
+        slowest rank's); recorded as ``device-forward`` and ``device-backward``."""
         from .offloaded_compute import OffloadedCompute
 
         model, opt = self.runs["compute"]
@@ -235,7 +233,7 @@ class RankBench:
         if key.startswith("loop-"):
             return self.loop(key, key[len("loop-"):])
         model, opt = self.runs[key]
-        calls = 2 if key.startswith("w2-split-") else 1
+        calls, sent = calls_per_update(key), eth0_tx()
         self.step(model, opt, calls=calls)  # untimed: refills the pipeline flushed at the last segment's end
         with self.billed(key):
             for _ in range(self.args.steps):
@@ -243,6 +241,8 @@ class RankBench:
         if hasattr(opt, "flush"):
             opt.flush()  # nothing of this configuration stays on the wire during the next one
         self.barrier()
+        if self.hvd.local_rank() == 0:  # all ranks of the host, over steps + 1 reductions
+            self.record(f"host-bytes/{key}", (eth0_tx() - sent) / (self.args.steps + 1))
 
     def loop(self, key: str, codec: str) -> None:
         """The pipelined schedule without the engine: step t computes while step t-1's all-reduce
@@ -263,17 +263,30 @@ class RankBench:
         self.barrier()
 
     # --------------------------------------------------------------------------- collectives
-    def compressed(self, codec: str, name: str) -> None:
+    def compressed(self, reduction: str, name: str) -> int:
         """Our compressed all-reduce of the gradient as the engine runs it: bucket by bucket of the
         fusion plan, each in a buffer with the room the engine gives it. One call on the whole
         gradient missed a fixed cost per bucket and each transfer's burst on the shaped links (at
-        130mbit the pipelined fp16 step was 546 ms against 647 ms for the one-call all-reduce)."""
+        130mbit the pipelined fp16 step was 546 ms against 647 ms for the one-call all-reduce).
+        ``reduction``: ``reduction_of`` a row. Returns the bytes this rank sent to other hosts,
+        counted per collective (``pipesgd_hvd/comm/counting.py``)."""
+        from pipesgd_hvd.comm.counting import CountingComm
+        from pipesgd_hvd.comm.topology import Topology
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
+        from pipesgd_hvd.compression.hierarchical import hierarchical_allreduce
         from pipesgd_hvd.ops.torch import TORCH_OPS
 
+        codec = reduction.rsplit("-", 1)[-1]
+        if reduction.startswith("hier-"):  # a cross-node group holds one rank per host: all it sends leaves
+            counted = CountingComm(self.topology.cross, lambda peer: peer)
+            comm, reduce = Topology(self.topology.layout, self.topology.local, counted), hierarchical_allreduce
+        else:
+            counted = comm = CountingComm(self.channel, self.host_of.__getitem__)
+            reduce = compressed_allreduce
         for i, (numel, buffer) in enumerate(zip(self.buckets, self.bucket_buffers(codec))):
-            compressed_allreduce(TORCH_OPS, self.channel, self.codecs[codec], buffer, numel=numel,
-                                 name=f"{name}.b{i}", key=f"{name.split('.')[1]}/b{i}", seed=0)
+            reduce(TORCH_OPS, comm, self.codecs[codec], buffer, numel=numel, name=f"{name}.b{i}",
+                   key=f"{reduction}/b{i}", seed=0)
+        return counted.cross_bytes
 
     def bucket_buffers(self, codec: str) -> List[Any]:
         """The gradient's buckets for ``codec``, as the engine holds them: each in a buffer of
@@ -301,10 +314,9 @@ class RankBench:
         return self.pool.submit(self.compressed, codec, name).result
 
     def collectives(self) -> Dict[str, Callable[[], Any]]:
-        """The collectives timed alone: float32 all-reduces of three sizes (through the
-        communicator, which waits as the engine does: a sleeping poll, where Horovod's own
-        synchronize() spins and would bill its spin as communication CPU) and our compressed
-        all-reduce per codec (bucket by bucket, as the engine runs it)."""
+        """The collectives timed alone: float32 all-reduces of three sizes (through the communicator,
+        which waits as the engine does, in a sleeping poll: Horovod's synchronize() spins and would
+        bill its spin as communication CPU) and the compressed all-reduce of each width-2 row."""
         from pipesgd_hvd.comm.base import ReduceOp
 
         comm, uid = self.comm, self.uid
@@ -313,8 +325,8 @@ class RankBench:
             # in place on a buffer of its own: repeated averaging changes the values, not the time
             return lambda: comm.allreduce_async_(values, self.horovod_name(tag), ReduceOp.AVERAGE).wait()
 
-        def compressed(codec: str) -> Callable[[], Any]:
-            return lambda: self.compressed(codec, uid(codec))
+        def compressed(reduction: str) -> Callable[[], Any]:
+            return lambda: self.compressed(reduction, uid(reduction))
 
         return {"comm-none": float32(self.flat.clone(), "ar"),
                 "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
@@ -322,15 +334,49 @@ class RankBench:
                 # nothing: what the rank's threads burn with nothing to do (Horovod's background
                 # loop wakes every cycle); the model leaves it out of a collective's CPU
                 "idle": lambda: time.sleep(IDLE_S),
-                **{f"comm-{c}": compressed(c) for c in self.timed_codecs}}
+                **{f"comm-{r}": compressed(r) for r in self.reductions}}
 
     def alone(self, key: str, fn: Callable[[], Any]) -> None:
         """A collective alone: its time, and the CPU it costs this rank (all threads), which it
-        would take from compute on a shared core, and the share of it that Horovod's threads took."""
-        cpu0, hvd0 = sum(self.clock.read()), self.horovod_clock.read()
-        self.record(key, self.timed(fn))
+        would take from compute on a shared core, and the share of it that Horovod's threads took;
+        a compressed one's bytes to other hosts. With several ranks per host, after an untimed one:
+        TCP past its slow start, as in training (the host restarts it after an idle second)."""
+        if self.topology is not None:
+            self.barrier()
+            fn()
+            self.barrier()
+        cpu0, hvd0, start = sum(self.clock.read()), self.horovod_clock.read(), time.perf_counter()
+        sent = fn()
+        self.record(key, time.perf_counter() - start)
         self.record(f"cpu/{key}", sum(self.clock.read()) - cpu0)
         self.record(f"cpu-hvd/{key}", self.horovod_clock.read() - hvd0)
+        if isinstance(sent, int):
+            self.record(f"payload/{key}", sent)
+
+    def link_samples(self) -> None:
+        """What the hierarchical model needs, each after an untimed run of itself, every rank at
+        once: the link between hosts (alltoalls of ``CROSS_BYTES`` on the cross-node groups, all
+        groups at once as the hierarchical stage runs them), the links inside a host (an alltoall of
+        the gradient's shards on the node group), each codec's encode + decode of the gradient."""
+        from pipesgd_hvd.compression.allreduce import padded_numel
+        from pipesgd_hvd.ops.torch import TORCH_OPS
+
+        torch, topo, size = self.torch, self.topology, self.hvd.size()
+        for nbytes in CROSS_BYTES:
+            rows = torch.zeros(topo.cross.size, nbytes, dtype=torch.uint8)
+            self.sampled(f"cross-a2a/{nbytes}", lambda: topo.cross.alltoall_async(rows, self.uid("xa2a")).wait())
+        shards = torch.zeros(topo.local.size, -(-self.numel // topo.local.size))
+        self.sampled("local-a2a", lambda: topo.local.alltoall_async(shards, self.uid("la2a")).wait())
+        for c in dict.fromkeys(r.rsplit("-", 1)[-1] for r in self.reductions):
+            codec, rows = self.codecs[c], torch.zeros(padded_numel(self.codecs[c], self.numel, size)).view(size, -1)
+            self.sampled(f"codec/{c}", lambda: codec.decode(TORCH_OPS, *codec.encode(TORCH_OPS, rows, key="k", seed=0)))
+
+    def sampled(self, key: str, fn: Callable[[], Any], reps: int = 3) -> None:
+        for _ in range(reps):
+            self.barrier()
+            fn()  # untimed: a fresh output's pages, a connection past slow start
+            self.barrier()
+            self.record(key, self.timed(fn))
 
     def decide_auto(self) -> Dict[str, Any]:
         """Runs the auto optimizer until it has decided (untimed); returns what it measured and chose."""
@@ -368,58 +414,33 @@ class RankBench:
                 for key, fn in collectives.items():
                     self.alone(key, fn)
                 self.record("add", self.timed(lambda: acc.add_(summand)))  # gamma: one float32 add
+            if self.topology is not None:
+                self.link_samples()
             self.barrier()
             elapsed = time.perf_counter() - launched
             self.progress(f"round {r + 1}/{args.rounds} done, {elapsed:.0f} s in; rounds left ~"
                           f"{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s")
         busy1, our1 = machine_busy(), sum(self.clock.read())
         self.pool.shutdown()
+        if self.topology is not None:
+            self.topology.close()
         self.channel.close()
         mine = {"samples": self.samples, "our_cpu_s": our1 - our0, "machine_busy_s": busy1[0] - busy0[0],
                 "machine_total_s": busy1[1] - busy0[1]}
         everyone = hvd.allgather_object(mine, name="bench.result")
         if hvd.rank() == 0:
-            wire = {key: self.runs[key][1].stats.ratio for key in (*TRAINING, AUTO)
-                    if key != "horovod" and key in self.runs}
-            result = {"ranks": hvd.size(), "grad_bytes": self.numel * 4, "layers": args.layers, "configs": self.configs,
-                      "per_rank": everyone, "wire_ratio": wire,
+            wire = {key: opt.stats.ratio for key, (_, opt) in self.runs.items() if key not in ("compute", "horovod")}
+            result = {"ranks": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size(),
+                      "grad_bytes": self.numel * 4, "layers": args.layers, "buckets": self.buckets,
+                      "configs": self.configs, "per_rank": everyone, "wire_ratio": wire,
                       "auto": auto, "offloaded": self.offloaded is not None}
             sys.stdout.write(MARKER + json.dumps(result) + "\n")
             sys.stdout.flush()
 
 
-def device_times(text: str) -> List[float]:
-    """``--device-times``: "FORWARD,BACKWARD" in seconds, each finite and >= 0."""
-    try:
-        times = [float(t) for t in text.split(",")]
-    except ValueError:
-        times = []
-    if len(times) != 2 or not all(math.isfinite(t) and t >= 0 for t in times):
-        raise argparse.ArgumentTypeError(f"not FORWARD,BACKWARD in seconds (each >= 0): {text!r}")
-    return times
-
-
 def main(argv: List[str]) -> None:
-    parser = argparse.ArgumentParser(description="one rank of benchmarks/throughput.py")
-    parser.add_argument("--rounds", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--comm-reps", type=int, required=True)
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--dim", type=int, required=True)
-    parser.add_argument("--layers", type=int, required=True)
-    parser.add_argument("--auto-measure-steps", type=int, default=5, help="the auto optimizer's measuring steps")
-    parser.add_argument("--configs", default=",".join((*TRAINING, AUTO)),
-                        help="comma list of the configurations to run (TRAINING keys and auto; '' for compute only)")
-    parser.add_argument("--quick", action="store_true", help="no loops, collectives: the float32 all-reduce only")
-    parser.add_argument("--progress", default="", help="file rank 0 appends a line to after each round")
-    parser.add_argument("--offload-compute", action="store_true",
-                        help="forward and backward as waits of their measured times (benchmarks/offloaded_compute.py)")
-    parser.add_argument("--device-times", type=device_times, default=None, metavar="FORWARD,BACKWARD",
-                        help="with --offload-compute: the waits, in seconds, instead of timing the real passes here")
-    args = parser.parse_args(argv)
-    if args.device_times is not None and not args.offload_compute:
-        parser.error("--device-times sets the waits of --offload-compute: pass both, or neither")
-    RankBench(args).run()
+    """``argv``: the JSON file of settings the driver wrote (``benchmarks/throughput.py``, ``run_launch``)."""
+    RankBench(argparse.Namespace(**json.loads(Path(argv[0]).read_text()))).run()
 
 
 if __name__ == "__main__":
