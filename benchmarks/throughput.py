@@ -301,8 +301,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not all(aim > 0 for aim in args.aims):
         parser.error(f"--aims must be > 0, got {args.aims}")
     from .report import write_section
-    from .throughput_hierarchical import render as render_hierarchical
-    from .throughput_report import render
+    from .throughput_report import render, render_hierarchical
 
     if args.render:
         record = json.loads(Path(args.render).read_text())

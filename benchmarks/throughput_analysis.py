@@ -14,6 +14,12 @@ l_AR)``, s a bucket's share of the gradient.
 split_batch rows (``w2-split-<codec>``): an update is two calls of half the batch, each call's
 all-reduce hidden behind the next call's half of the compute, so per update the bound is
 ``max(compute, 2 l_comm)`` and the model twice the pipelined step of half the compute.
+
+The hierarchical kind (2 ranks per host) has its own model (``hierarchical_model``, from
+``pipesgd_hvd/auto/model.py``): the link between hosts from alltoalls of two sizes on the
+cross-node groups, the links inside one from an alltoall on the node group, gamma from a float32
+add and each codec's cost from its encode + decode, all timed in the launch; a width-2 step at
+max(compute, reduction), Horovod's at compute + its all-reduce.
 """
 from __future__ import annotations
 
@@ -24,11 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pipesgd_hvd.auto.model import CODECS as MODEL_CODECS
-from pipesgd_hvd.auto.model import CodecParams, LinkParams, compressed_allreduce_time, sync_iteration_time
+from pipesgd_hvd.auto.model import (CodecParams, LinkParams, compressed_allreduce_time, flat_on_nodes_time,
+                                    hierarchical_allreduce_time, sync_iteration_time)
 from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 
+from .step_time import calls_per_update as calls
 from .timing_model import fit_link, pipelined_iteration_time
-from .throughput_worker import AUTO, CODECS, fusion_buckets
+from .throughput_worker import AUTO, CODECS, CROSS_BYTES, HIERARCHICAL, fusion_buckets, reduction_of
 
 LABELS = {"horovod": "Horovod DistributedOptimizer (sync)", "w1": "pipesgd width 1",
           "w1-layer": "pipesgd width 1, one bucket per layer", "w2": "pipesgd width 2",
@@ -42,11 +50,6 @@ AUTO_CHOICES = ("w1", "w2", "w2-fp16", "w2-int8", "w2-int4")
 def codec_of(key: str) -> str:
     """The codec a configuration sends: 'none' for float32 (Horovod, width 1, width 2)."""
     return key.rsplit("-", 1)[1] if key.startswith("w2-") else "none"
-
-
-def calls(key: str) -> int:
-    """Optimizer calls per update: two for split_batch (half the batch each), else one."""
-    return 2 if key.startswith("w2-split-") else 1
 
 
 @dataclass
@@ -88,6 +91,20 @@ class Launch:
 
     def median(self, key: str) -> float:
         return statistics.median(self.samples(key))
+
+    def slowest(self, key: str) -> float:
+        """The slowest rank's median (the hierarchical kind's step statistic)."""
+        return max(statistics.median(r["samples"][key]) for r in self.raw["per_rank"] if key in r["samples"])
+
+    def pooled(self, key: str) -> float:
+        """The median of every rank's samples: a link's own speed, which one rank's stall (another
+        job took its core mid-exchange) should not set."""
+        return statistics.median(v for r in self.raw["per_rank"] for v in r["samples"].get(key, []))
+
+    def total(self, key: str) -> float:
+        """The sum over ranks of each one's median (ranks without the key, such as a host's counter
+        read on one of its ranks, add nothing)."""
+        return sum(statistics.median(r["samples"][key]) for r in self.raw["per_rank"] if key in r["samples"])
 
     def mean_median(self, key: str) -> float:
         """Mean over ranks of each rank's median (CPU times: each rank bills its own)."""
@@ -281,3 +298,61 @@ def targets(launches: Sequence[Launch], models: Sequence[Model]) -> List[Target]
                               f"chose {la.auto_choice()}; auto / fastest ({best}) = {ratio:.2f}"))
     return out
 
+
+def hierarchical_model(la: Launch) -> Dict[str, float]:
+    """The hierarchical kind's predicted reduction per row (module docstring)."""
+    local, cross, grad = la.raw["local_size"], la.raw["cross_size"], la.grad_bytes
+    (small, large), on_link = CROSS_BYTES, local * (cross - 1)  # a host's link carries all its ranks' exchanges
+    t_small, t_large = la.pooled(f"cross-a2a/{small}"), la.pooled(f"cross-a2a/{large}")
+    bandwidth, gamma = on_link * (large - small) / max(t_large - t_small, 1e-9), la.pooled("add") / grad
+    between = LinkParams(max(t_small - on_link * small / bandwidth, 0.0) / max(cross - 1, 1), bandwidth, gamma)
+    inside = LinkParams(0.0, (local - 1) * 4 * -(-grad // 4 // local) / la.pooled("local-a2a"), gamma)
+    out = {"horovod": compressed_allreduce_time(la.ranks, grad, between, MODEL_CODECS["none"])}
+    for key in HIERARCHICAL:
+        codec = key.rsplit("-", 1)[1]
+        params = dataclasses.replace(MODEL_CODECS[codec], cost_per_byte=la.pooled(f"codec/{codec}") / grad)
+        timing = hierarchical_allreduce_time if "-hier-" in key else flat_on_nodes_time
+        # bucket after bucket, as the engine's comm thread runs them
+        out[key] = sum(timing(local, cross, 4 * numel, inside, between, params) for numel in la.raw["buckets"])
+    return out
+
+
+def hierarchical_rows(la: Launch) -> List[Dict[str, Any]]:
+    """Per row: step, compute, its reduction alone, the model's reduction and step, both hosts' links'
+    bytes per step, what its reduction alone sent to the other host (all ranks), speed-up."""
+    compute, model, out = la.slowest("compute"), hierarchical_model(la), []
+    for key in ("horovod", *HIERARCHICAL):
+        alone = "comm-none" if key == "horovod" else f"comm-{reduction_of(key)}"
+        out.append({"config": key, "step": la.slowest(key), "compute": compute, "alone": la.slowest(alone),
+                    "model_comm": model[key], "model_step": (compute + model[key] if key == "horovod"
+                                                             else max(compute, model[key])),
+                    "host_bytes": la.total(f"host-bytes/{key}"),
+                    "counted": None if key == "horovod" else la.total(f"payload/{alone}"),
+                    "speedup": la.slowest("horovod") / la.slowest(key)})
+    return out
+
+
+def hierarchical_targets(where: str, aim: Optional[float], rows: List[Dict[str, Any]], local: int) -> List[Target]:
+    """Issue 33's: hierarchical int8's (and int4's) bytes between hosts at most 1/local of flat's
+    (counted per collective: headers and Horovod's traffic, on the links, are no part of them); at
+    comm ~5x compute hierarchical int8 >= 1.5x faster than flat int8; hierarchical int8 within 10%
+    of max(compute, its reduction alone); the model within 15% of the hierarchical rows."""
+    at, out = {r["config"]: r for r in rows}, []
+    for codec in ("int8", "int4"):
+        flat, hier = at[f"w2-flat-{codec}"], at[f"w2-hier-{codec}"]
+        counted = hier["counted"] / flat["counted"]
+        out.append(Target(f"{where}: hierarchical {codec}'s bytes between hosts <= 1/{local} of flat's",
+                          counted <= 1 / local, f"{counted:.3f} counted per collective, "
+                          f"{hier['host_bytes'] / flat['host_bytes']:.3f} on the links (kernel)"))
+    h8, f8 = at["w2-hier-int8"], at["w2-flat-int8"]
+    if aim == 5.0:
+        gain = f8["step"] / h8["step"]
+        out.append(Target(f"{where}: hierarchical int8 >= 1.5x faster than flat int8", gain >= 1.5, f"{gain:.2f}x"))
+    bound = max(h8["compute"], h8["alone"])
+    out.append(Target(f"{where}: hierarchical int8 within 10% of max(compute, its all-reduce alone)",
+                      h8["step"] <= 1.1 * bound, f"step / bound = {h8['step'] / bound:.2f}"))
+    for key in ("w2-hier-int8", "w2-hier-int4"):
+        ratio = at[key]["step"] / at[key]["model_step"]
+        out.append(Target(f"{where}: {key} within 15% of the model", abs(ratio - 1) <= 0.15,
+                          f"step / model = {ratio:.2f}"))
+    return out

@@ -1,18 +1,23 @@
-"""The throughput study's tables and plot, from a record of ``benchmarks/throughput.py``
-(docs/benchmarks.md says how to read them)."""
+"""The emulated-cluster study's tables and plot, from a record of ``benchmarks/throughput.py``
+(docs/benchmarks.md says how to read them): the throughput sections and the hierarchical one."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .report import table
-from .throughput_analysis import LABELS, Launch, Model, Target, codec_of, fit_model, speedup, targets
+from .throughput_analysis import (LABELS, Launch, Model, Target, codec_of, fit_model, hierarchical_rows,
+                                  hierarchical_targets, speedup, targets)
 from .throughput_plan import off_aim
 from .throughput_worker import AUTO, TRAINING
 
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
+
+
+def cycle(args: Dict[str, Any]) -> str:
+    return f"HOROVOD_CYCLE_TIME={args['horovod_cycle_ms']:g}" if args.get("horovod_cycle_ms") else "Horovod's default cycle"
 
 
 def launch_row(setting: Dict[str, Any], la: Launch, model: Model) -> List[str]:
@@ -66,13 +71,12 @@ def render(record: Dict[str, Any], image: Optional[Path]) -> str:
     found = aims + targets(launches, models)
     if image is not None:
         plot(launches, models, image)
-    cycle = f"HOROVOD_CYCLE_TIME={args['horovod_cycle_ms']:g}" if args.get("horovod_cycle_ms") else "Horovod's default cycle"
     title = "Throughput with compute off the cores" if offloaded else "Throughput on the emulated cluster"
     lines = [f"## {title} (`benchmarks/throughput.py{' --offload-compute' if offloaded else ''}`, `make bench`)", "",
              f"{record['machine']}; {record['elapsed_s'] / 60:.1f} min for {len(launches)} launches; load average "
              f"before {record['load_before'][0]:.2f}, after {record['load_after'][0]:.2f}. {args['layers']} x "
              f"Linear({args['dim']}, {args['dim']}), {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, "
-             f"{args['controller']} controller, {cycle}, {args['rounds']} rounds of {args['steps']} timed updates "
+             f"{args['controller']} controller, {cycle(args)}, {args['rounds']} rounds of {args['steps']} timed updates "
              f"per configuration. Samples: `build/{key}.json` (`python -m benchmarks.throughput --render "
              f"build/{key}.json`)."]
     cal = record.get("calibration")
@@ -131,3 +135,29 @@ def plot(launches: Sequence[Launch], models: Sequence[Model], path: Path) -> Non
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def render_hierarchical(record: Dict[str, Any], image: Optional[Path] = None) -> str:
+    """The hierarchical kind's section from a record (no plot: ``image`` is not drawn)."""
+    args, body, found = record["args"], [], []
+    launches = [Launch(**la) for la in record["launches"]]
+    for setting, la in zip(record["settings"], launches):
+        aim, measured = setting["target"], la.slowest("comm-none") / la.slowest("compute")
+        where = f"{la.rate} ({'' if aim is None else f'aim {aim:g}x, '}measured {measured:.2f}x)"
+        rows = hierarchical_rows(la)
+        found += hierarchical_targets(where, aim, rows, la.raw["local_size"])
+        body += [[where, r["config"], ms(r["step"]), ms(r["model_step"]), ms(r["alone"]), ms(r["model_comm"]),
+                  f"{r['host_bytes'] / 1e6:.2f}", "" if r["counted"] is None else f"{r['counted'] / 1e6:.2f}",
+                  f"{r['speedup']:.2f}x"] for r in rows]
+    return "\n".join([
+        "## Hierarchical compression on the emulated cluster (`benchmarks/throughput.py --hierarchical`, "
+        "`make bench`)", "",
+        f"{record['machine']}; {record['elapsed_s'] / 60:.1f} min for {len(launches)} launches; 2 hosts x 2 ranks "
+        f"(horovodrun --gloo); {args['layers']} x Linear({args['dim']}, {args['dim']}), {launches[0].grad_bytes / 1e6:.1f} "
+        f"MB of float32 gradient; compute off the cores, forward / backward {'/'.join(map(ms, args['device_times']))} "
+        f"ms; {cycle(args)}; {args['rounds']} rounds of {args['steps']} timed steps. Samples: "
+        "`build/hierarchical.json`.", "",
+        table(["link (Horovod comm / compute)", "configuration", "step ms", "model step ms", "reduction alone ms",
+               "model reduction ms", "cross-host MB / step (links)", "cross-host MB / reduction (counted)",
+               "vs Horovod"], body), "", "### Targets", "", f"{sum(t.met for t in found)} of {len(found)} targets met.",
+        "", table(["target", "result", "measured"], target_rows(found))]) + "\n"

@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from benchmarks import step_time, throughput, throughput_hierarchical
-from benchmarks.throughput_analysis import Launch, calls, fit_model, speedup, targets
+from benchmarks import step_time, throughput
+from benchmarks.throughput_analysis import Launch, calls, fit_model, hierarchical_model, hierarchical_rows, speedup, targets
 from benchmarks.throughput_plan import CommFit, fit_comm, plan_rate, rate_bps, second_rate
-from benchmarks.throughput_report import render
+from benchmarks.throughput_report import render, render_hierarchical
 from benchmarks.throughput_worker import CODECS, HIERARCHICAL, LOOPS, TRAINING, reduction_of, segments_for
 
 GRAD = 16_000_000          # bytes of float32 gradient
@@ -203,15 +203,18 @@ def test_the_hierarchical_kind_runs_flat_and_hierarchical_rows_at_rates_from_its
 
 def test_the_hierarchical_model_takes_its_links_from_the_launch():
     la = made_up_hierarchical()
-    cross, local, costs = throughput_hierarchical.links(la)
-    assert (cross.alpha, cross.bandwidth) == pytest.approx((0.001, 12.5e6), rel=1e-9)
-    assert local.bandwidth == pytest.approx(1e9, rel=1e-6) and cross.gamma == pytest.approx(0.25e-9)
-    assert costs == pytest.approx({"int8": 1e-9, "int4": 1e-9})
-    rows = {r["config"]: r for r in throughput_hierarchical.rows(la)}
+    model = hierarchical_model(la)
+    # Horovod's ring over 4 ranks on the link between hosts: 6 alpha + 1.5 M / B + 0.75 M gamma
+    assert model["horovod"] == pytest.approx(6 * 0.001 + 1.5 * 8_396_800 / 12.5e6 + 0.75 * 8_396_800 * 0.25e-9)
+    # flat int8, per 4.2 MB bucket: 6 alpha + 2 x the node's link carrying L (N-L)/N r M + 3/4 M (gamma + c)
+    r, m = 516 / 2048, 4_198_400
+    bucket = 6 * 0.001 + 2 * 2 * 2 / 4 * r * m / 12.5e6 + 0.75 * m * (0.25e-9 + 1e-9)
+    assert model["w2-flat-int8"] == pytest.approx(2 * bucket, rel=1e-6)
+    assert model["w2-hier-int8"] < 0.55 * model["w2-flat-int8"]         # half the bytes cross between hosts
+    rows = {r["config"]: r for r in hierarchical_rows(la)}
     # a width-2 step at max(compute, reduction); Horovod's at compute + its all-reduce (the slowest rank's)
-    assert rows["w2-hier-int8"]["model_step"] == pytest.approx(max(0.102, rows["w2-hier-int8"]["model_comm"]))
-    assert rows["horovod"]["model_step"] == pytest.approx(0.102 + rows["horovod"]["model_comm"])
-    assert rows["w2-hier-int8"]["model_comm"] < rows["w2-flat-int8"]["model_comm"]   # half the bytes cross
+    assert rows["w2-hier-int8"]["model_step"] == pytest.approx(max(0.102, model["w2-hier-int8"]))
+    assert rows["horovod"]["model_step"] == pytest.approx(0.102 + model["horovod"])
     assert rows["w2-hier-int8"]["step"] == pytest.approx(0.242) and rows["w2-hier-int8"]["alone"] == pytest.approx(0.222)
     # both hosts' links per step, and what all ranks' reductions sent to the other host
     assert rows["w2-flat-int8"]["host_bytes"] == 6.6e6 and rows["w2-hier-int8"]["counted"] == pytest.approx(4 * 0.8e6)
@@ -223,7 +226,7 @@ def test_the_hierarchical_targets_and_table():
                                                                                                         1024, 5.0))],
               "args": {"layers": 2, "dim": 1024, "device_times": [0.03, 0.07], "horovod_cycle_ms": 20, "rounds": 3,
                        "steps": 10}, "launches": [dataclasses.asdict(la)]}
-    text = throughput_hierarchical.render(record)
+    text = render_hierarchical(record)
     where = "202mbit (aim 5x, measured 7.86x)"   # comm-none 0.802 s over compute 0.102 s
     assert f"| {where}: hierarchical int8's bytes between hosts <= 1/2 of flat's | met | 0.500 counted" in text
     assert f"| {where}: hierarchical int8 >= 1.5x faster than flat int8 | met | 1.87x |" in text
