@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
@@ -63,14 +63,31 @@ def calls_per_update(key: str) -> int:
     return 2 if "-split" in key else 1
 
 
+def build(key: str, args: argparse.Namespace, hvd: Any, device: Any = "cpu") -> Tuple[Any, Any]:
+    """A configuration's own copy of the model (``args.layers`` x Linear(dim, dim), the same initial
+    weights for all) and its optimizer: SGD alone for ``compute*``, wrapped by Horovod or pipesgd."""
+    import torch
+
+    import pipesgd_hvd.torch as psgd
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)]).to(device)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-6)
+    if key == "horovod":
+        return model, hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    if key.startswith("compute"):
+        return model, inner
+    one_layer_mb = (args.dim * args.dim + args.dim) * 4 / 2**20
+    return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                            auto_measure_steps=args.auto_measure_steps, **options(key, one_layer_mb))
+
+
 class Bench:
     """This rank's side: one model copy and optimizer per configuration, the timed updates."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         import horovod.torch as hvd
         import torch
-
-        import pipesgd_hvd.torch as psgd
 
         hvd.init()
         torch.set_num_threads(args.threads)
@@ -82,18 +99,7 @@ class Bench:
         self.keys = args.configs
         # compute alone: the same model and inner optimizer, no communication (host time's baseline)
         self.segments = ["compute", *(["compute-split"] if any("-split" in k for k in self.keys) else []), *self.keys]
-        self.runs: Dict[str, Any] = {}
-        for key in self.segments:
-            torch.manual_seed(1)
-            model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
-            model.to(self.device)
-            opt: Any = torch.optim.SGD(model.parameters(), lr=1e-6)
-            if key == "horovod":
-                opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-            elif not key.startswith("compute"):
-                opt = psgd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                                auto_measure_steps=args.auto_measure_steps, **options(key))
-            self.runs[key] = (model, opt)
+        self.runs = {key: build(key, args, hvd, self.device) for key in self.segments}
         self.grad_bytes = sum(p.numel() * 4 for p in self.runs["compute"][0].parameters())
         self.samples: Dict[str, Dict[str, List[float]]] = {k: {"wall": [], "main": [], "other": []}
                                                            for k in self.segments}

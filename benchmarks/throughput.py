@@ -1,26 +1,24 @@
 """Throughput on the emulated cluster: Horovod's synchronous optimizer against pipesgd_hvd.
 
-    python -m benchmarks.throughput                       (as root; `make bench` runs it)
+    python -m benchmarks.throughput                       (as root; `make bench` runs all three)
     python -m benchmarks.throughput --offload-compute     (compute off the cores)
     python -m benchmarks.throughput --hierarchical        (2 hosts x 2 ranks, flat vs hierarchical)
     python -m benchmarks.throughput --no-doc --aims 1 5 --configs w2 w2-int8   # a subset, docs/ untouched
     python -m benchmarks.throughput --settings 620mbit:1024 --rounds 1 --no-doc # a fixed RATE:BATCH
     python -m benchmarks.throughput --render build/throughput.json             # tables from a record
 
-A calibration (two short launches, ``benchmarks/throughput_plan.py``) sets each aim's link rate;
-then one 2-host launch per aim (comm/compute 0.25x, 1x, 2.5x, 5x) and one 4-host launch, a rank
-per host on network namespaces with ``tc tbf`` links (``tools/cluster``), every configuration
-side by side in each launch (``benchmarks/throughput_worker.py``). ``--hierarchical``: 2 ranks per
-host under ``horovodrun --gloo``, links shaped between the hosts only, compute off the cores, at
-Horovod's comm ~1x and ~5x compute (``benchmarks/throughput_hierarchical.py``). Each kind writes
-its section of docs/benchmarks.md (and a plot in docs/img/), its samples to build/<section>.json.
-Every rank runs with ``HOROVOD_CYCLE_TIME=20`` (``--horovod-cycle-ms``; 0: Horovod's default): on
-CPU ranks that fill the cores Horovod's background loop, awake every cycle, takes compute's core.
+A calibration (``throughput_plan.py``) sets each aim's link rate; then one launch per aim and one
+on 4 hosts, ranks on network namespaces with ``tc tbf`` links (``tools/cluster``), every
+configuration side by side in a launch (``throughput_worker.py``). ``--hierarchical``: 2 ranks
+per host under ``horovodrun --gloo``, links shaped between hosts only, compute off the cores, rates
+from the aims. Each kind writes its section of docs/benchmarks.md (docs/benchmarks.md says how to
+read it), its samples to build/<section>.json. ``HOROVOD_CYCLE_TIME=20`` for every rank
+(``--horovod-cycle-ms``): on CPU ranks that fill the cores Horovod's loop, awake every cycle,
+takes compute's core.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -28,11 +26,10 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .throughput_analysis import Launch
 from .throughput_plan import (AIMS, FIRST_RATE, fit_comm, off_aim, plan_rate, rate_bps, second_rate, select_configs,
@@ -50,11 +47,6 @@ def section_key(args: Dict[str, Any]) -> str:
     if args.get("hierarchical"):
         return "hierarchical"
     return "throughput-offloaded" if args.get("offload_compute") else "throughput"
-
-
-def record_path(key: str, no_doc: bool = False) -> Path:
-    """Where a run's samples are kept (a --no-doc trial's apart: it never replaces the doc's record)."""
-    return ROOT / "build" / (f"{key}-nodoc.json" if no_doc else f"{key}.json")
 
 
 @dataclass(frozen=True)
@@ -80,9 +72,9 @@ def launch_configs(configs: Sequence[str], setting: Setting) -> List[str]:
 
 
 def wait_for_quiet(max_wait: float, idle_cores: float = 1.5, window: float = 2.0) -> Tuple[float, float]:
-    """Waits (at most ``max_wait`` s) until other jobs leave ``idle_cores`` idle over ``window`` s,
-    so that a launch does not start in the middle of someone's test run; returns (seconds waited,
-    busy cores in the last window). The cores are shared: this only lowers the odds."""
+    """Waits (at most ``max_wait`` s) until other jobs leave ``idle_cores`` idle over ``window`` s, so
+    that a launch does not start amid someone's test run (it only lowers the odds); returns (seconds
+    waited, busy cores in the last window)."""
     start = time.monotonic()
     while True:
         busy0, total0 = machine_busy()
@@ -96,30 +88,6 @@ def wait_for_quiet(max_wait: float, idle_cores: float = 1.5, window: float = 2.0
 
 def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def echo(path: Path, prefix: str) -> Iterator[None]:
-    """Echoes the lines the worker's rank 0 appends to ``path`` (a launch takes minutes; its stdout
-    comes back only at the end) while the block runs."""
-    stop = threading.Event()
-
-    def tail() -> None:
-        seen, stopping = 0, False
-        while not stopping:
-            stopping = stop.wait(2.0)  # one more read after the block ends: its last lines
-            text = path.read_text() if path.exists() else ""
-            for line in text[seen:].splitlines():
-                log(f"{prefix}{line}")
-            seen = len(text)
-
-    thread = threading.Thread(target=tail, name="bench-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def horovod_cycle_env(cycle_ms: float) -> Dict[str, str]:
@@ -147,13 +115,12 @@ def device_times(text: str) -> List[float]:
 
 def worker_settings(args: argparse.Namespace, setting: "Setting", configs: Sequence[str], quick: bool) -> Dict[str, Any]:
     """What the worker reads. Compute off the cores waits ``args.device_times`` (the calibration's, or
-    --device-times) for ``args.batch``, every aimed launch the same; a launch of another batch (the
-    4-host one) times its own passes."""
+    --device-times) for ``args.batch``; a launch of another batch (the 4-host one) times its own passes."""
     offload = bool(getattr(args, "offload_compute", False))
     fixed = offload and getattr(args, "device_times", None) is not None and setting.batch == args.batch
-    return {"rounds": args.rounds, "steps": args.steps, "comm_reps": args.comm_reps, "batch": setting.batch,
-            "dim": args.dim, "layers": args.layers, "auto_measure_steps": 5, "configs": list(configs), "quick": quick,
-            "offload_compute": offload, "device_times": args.device_times if fixed else None}
+    return {**{k: getattr(args, k) for k in ("rounds", "steps", "comm_reps", "dim", "layers")}, "batch": setting.batch,
+            "auto_measure_steps": 5, "configs": list(configs), "quick": quick, "offload_compute": offload,
+            "device_times": args.device_times if fixed else None}
 
 
 def hierarchical_settings(args: argparse.Namespace) -> List["Setting"]:
@@ -171,15 +138,17 @@ def run_launch(setting: Setting, args: argparse.Namespace, configs: Sequence[str
     hierarchical = getattr(args, "hierarchical", False)
     what = f"{setting.hosts} hosts{' x 2 ranks' if hierarchical else ''}, {setting.rate}, batch {setting.batch}"
     with tempfile.TemporaryDirectory(prefix="pipesgd-bench-") as tmp:
-        lines, settings = Path(tmp) / "progress", Path(tmp) / "settings.json"
-        settings.write_text(json.dumps({**worker_settings(args, setting, configs, quick), "progress": str(lines)}))
+        # rank 0 appends its progress to this process's stderr (a launch's output comes back only at its end)
+        settings = Path(tmp) / "settings.json"
+        settings.write_text(json.dumps({**worker_settings(args, setting, configs, quick),
+                                        "progress": f"/proc/{os.getpid()}/fd/2"}))
         cmd = [sys.executable, "-m", "benchmarks.throughput_worker", str(settings)]
         env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
                **horovod_cycle_env(args.horovod_cycle_ms)}
         waited, busy = wait_for_quiet(args.max_quiet_wait)
         log(f"[launch] {what} (waited {waited:.0f} s for other jobs; {busy:.1f} cores busy)")
         start = time.perf_counter()
-        with Cluster(setting.hosts, rate=setting.rate) as cluster, echo(lines, "    "):
+        with Cluster(setting.hosts, rate=setting.rate) as cluster:
             if hierarchical:  # horovodrun itself: a host's ranks share its namespace, their traffic stays on it
                 proc = horovodrun.run(cluster, cmd, ranks_per_host=2, env=env, timeout=args.launch_timeout)
             else:
@@ -309,7 +278,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if os.geteuid() != 0:
             sys.exit("benchmarks.throughput creates network namespaces: run it as root")
         record = measure(args)
-        saved = record_path(section_key(vars(args)), args.no_doc)
+        # a --no-doc trial's record apart: it never replaces the doc's
+        saved = ROOT / "build" / f"{section_key(vars(args))}{'-nodoc' if args.no_doc else ''}.json"
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(record))
         print(f"samples kept in {saved}")

@@ -1,25 +1,22 @@
-"""One throughput launch, from the JSON its worker prints: medians, bounds, the timing model's
-predictions and the targets (docs/benchmarks.md says how to read them).
+"""The emulated-cluster study's launches, from the JSON their worker prints: medians, bounds, the
+timing model's predictions and the targets (docs/benchmarks.md says how to read them).
 
 The model (``benchmarks/timing_model.py``) gets only measurements of parts, never of the steps it
 predicts: the link from ``fit_link`` on float32 all-reduces of three sizes and a float32 add; each
-codec's cost from its all-reduce timed alone (all it spends beyond the wire time the fitted link
-gives it); compute and its backward share; the interference f per codec: with one core per rank
-the CPU X an all-reduce costs the rank (in the threads that run it, beyond what they burn idle
-over as long) is taken from compute beside it, ``l_comm f/(1+f) = X`` (f = 0 with compute off the
-cores); a width-1 step's overlap h from its buckets: the backward pass after the first bucket is
-ready can hide communication, the last bucket's cannot, ``h = min(1 - s_last, bwd (1 - s_first) /
-l_AR)``, s a bucket's share of the gradient.
+codec's cost from its all-reduce timed alone (beyond the wire time the fitted link gives it);
+compute and its backward share; the interference f per codec: with one core per rank the CPU X an
+all-reduce costs the rank (its threads, beyond what they burn idle over as long) is taken from
+compute beside it, ``l_comm f/(1+f) = X`` (f = 0 with compute off the cores); a width-1 step's
+overlap h from its buckets: the backward pass after the first bucket is ready can hide
+communication, the last bucket's cannot, ``h = min(1 - s_last, bwd (1 - s_first) / l_AR)``, s a
+bucket's share of the gradient. split_batch (``w2-split-<codec>``): two calls of half the batch
+per update, each call's all-reduce hidden behind the next call's half of the compute: the bound is
+``max(compute, 2 l_comm)``, the model twice the pipelined step of half the compute.
 
-split_batch rows (``w2-split-<codec>``): an update is two calls of half the batch, each call's
-all-reduce hidden behind the next call's half of the compute, so per update the bound is
-``max(compute, 2 l_comm)`` and the model twice the pipelined step of half the compute.
-
-The hierarchical kind (2 ranks per host) has its own model (``hierarchical_model``, from
-``pipesgd_hvd/auto/model.py``): the link between hosts from alltoalls of two sizes on the
-cross-node groups, the links inside one from an alltoall on the node group, gamma from a float32
-add and each codec's cost from its encode + decode, all timed in the launch; a width-2 step at
-max(compute, reduction), Horovod's at compute + its all-reduce.
+The hierarchical kind (``hierarchical_model``, ``pipesgd_hvd/auto/model.py``): the link between
+hosts from alltoalls of two sizes on the cross-node groups, the links inside one from an alltoall
+on the node group, gamma from a float32 add, each codec's cost from its encode + decode; a width-2
+step at max(compute, reduction), Horovod's at compute + its all-reduce.
 """
 from __future__ import annotations
 
@@ -77,13 +74,12 @@ class Launch:
 
     @property
     def codecs(self) -> Tuple[str, ...]:
-        """The codecs of its width-2 rows: their compressed all-reduces were timed alone too."""
+        """The codecs of its width-2 rows (their all-reduces were timed alone too)."""
         return tuple(dict.fromkeys(codec_of(k) for k in self.configs if codec_of(k) != "none"))
 
     @property
     def offloaded(self) -> bool:
-        """Whether compute ran off the cores (waits as long as the real passes, ``--offload-compute``)."""
-        return bool(self.raw.get("offloaded"))
+        return bool(self.raw.get("offloaded"))  # compute off the cores
 
     def samples(self, key: str) -> List[float]:
         """Per sample, the slowest rank's value (every rank runs the same samples in order)."""
@@ -93,7 +89,7 @@ class Launch:
         return statistics.median(self.samples(key))
 
     def slowest(self, key: str) -> float:
-        """The slowest rank's median (the hierarchical kind's step statistic)."""
+        """The slowest rank's median (the hierarchical kind's)."""
         return max(statistics.median(r["samples"][key]) for r in self.raw["per_rank"] if key in r["samples"])
 
     def pooled(self, key: str) -> float:
@@ -102,8 +98,7 @@ class Launch:
         return statistics.median(v for r in self.raw["per_rank"] for v in r["samples"].get(key, []))
 
     def total(self, key: str) -> float:
-        """The sum over ranks of each one's median (ranks without the key, such as a host's counter
-        read on one of its ranks, add nothing)."""
+        """The sum of the ranks' medians (a host's counter, read on one of its ranks, counts once)."""
         return sum(statistics.median(r["samples"][key]) for r in self.raw["per_rank"] if key in r["samples"])
 
     def mean_median(self, key: str) -> float:
@@ -147,14 +142,12 @@ class Launch:
         return total if codec == "none" else total - self.mean_median(f"cpu-hvd/comm-{codec}")
 
     def idle_cpu(self, seconds: float, codec: str) -> float:
-        """CPU seconds the threads ``reduction_cpu`` bills burn over ``seconds`` with nothing to do
-        (from an idle segment timed beside the collectives)."""
+        """CPU seconds the threads ``reduction_cpu`` bills burn idle over ``seconds`` (an idle segment)."""
         busy = self.mean_median("cpu/idle") - (0.0 if codec == "none" else self.mean_median("cpu-hvd/idle"))
         return busy / self.median("idle") * seconds
 
     def extra_cpu(self, codec: str) -> float:
-        """CPU one all-reduce adds to a rank beyond its threads' idle background (which training
-        already holds inside the compute time)."""
+        """CPU one all-reduce adds beyond the idle background (which the compute time already holds)."""
         return max(0.0, self.reduction_cpu(codec) - self.idle_cpu(self.comm(codec), codec))
 
     def horovod_hidden(self) -> float:
@@ -163,8 +156,7 @@ class Launch:
 
     @property
     def auto(self) -> Optional[Dict[str, Any]]:
-        """What the auto optimizer measured and decided before the rounds (None if it did not run)."""
-        return self.raw.get("auto")
+        return self.raw.get("auto")  # what the auto optimizer measured and chose (None: not run)
 
     def auto_choice(self) -> str:
         """The fixed configuration (a TRAINING key) the auto mode chose."""
@@ -318,8 +310,8 @@ def hierarchical_model(la: Launch) -> Dict[str, float]:
 
 
 def hierarchical_rows(la: Launch) -> List[Dict[str, Any]]:
-    """Per row: step, compute, its reduction alone, the model's reduction and step, both hosts' links'
-    bytes per step, what its reduction alone sent to the other host (all ranks), speed-up."""
+    """Per row: step, reduction alone, the model's, both hosts' links' bytes per step, what the
+    reduction alone sent to the other host (all ranks), speed-up."""
     compute, model, out = la.slowest("compute"), hierarchical_model(la), []
     for key in ("horovod", *HIERARCHICAL):
         alone = "comm-none" if key == "horovod" else f"comm-{reduction_of(key)}"

@@ -21,26 +21,22 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 
 from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
-from .step_time import CODECS, calls_per_update, options
+from .step_time import CODECS, build, calls_per_update
 from .thread_cpu import ThreadClock, ThreadGroupClock, machine_busy, native_thread_ids
 
 if TYPE_CHECKING:
     from .offloaded_compute import OffloadedCompute
 
 MARKER = "THROUGHPUT_RESULT "
-# "w1-layer": width 1 with buckets capped at one layer, as Horovod's per-tensor reductions: the
-# control for the default fusion plan (buckets that close early, pipesgd_hvd/pipeline/fusion.py).
-# "w2-split-<codec>": staleness_correction="split_batch" (its all-reduce runs twice per update).
+# "w1-layer" (buckets capped at one layer, as Horovod's per-tensor reductions) is the control for the
+# default fusion plan; names: step_time.options.
 TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS), "w2-split-int8", "w2-split-int4")
 # The hierarchical kind's rows (2 ranks per host): width 2, flat and hierarchical reductions.
 HIERARCHICAL = tuple(f"w2-{form}-{c}" for c in ("int8", "int4") for form in ("flat", "hier"))
-# "loop-<codec>": the pipelined schedule without the engine: compute step t, start its all-reduce,
-# wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
-# machine allows a width-2 pipeline; the engine's own overhead is the difference.
+# "loop-<codec>": the width-2 schedule without the engine (compute step t, start its all-reduce, wait
+# for step t-1's): what this machine allows; the engine's own overhead is the difference.
 LOOPS = tuple(f"loop-{c}" for c in ("none", *CODECS))
-# "auto": width="auto", compression="auto", timed in the configuration it chose before the rounds
-# (its decision is part of the result); compared with the fixed rows it could have chosen.
-AUTO = "auto"
+AUTO = "auto"  # width and compression "auto", timed in what it chose before the rounds
 IDLE_S = 0.25  # the idle segment timed beside the collectives
 CROSS_BYTES = (4096, 1 << 21)  # the alltoalls across hosts (hierarchical kind): latency, then bandwidth
 SEGMENTS = ("compute", *TRAINING, *HIERARCHICAL, AUTO, *LOOPS)
@@ -58,6 +54,13 @@ def eth0_tx() -> int:
             if line.strip().startswith("eth0:"):
                 return int(line.split(":", 1)[1].split()[8])
     raise RuntimeError("no eth0: not on the emulated cluster")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` took."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
@@ -104,7 +107,7 @@ class RankBench:
         self.configs = tuple(k for k in (*TRAINING, *HIERARCHICAL) if k in self.segments)
         # the compressed all-reduces timed alone: those this launch's width-2 rows run
         self.reductions = tuple(dict.fromkeys(reduction_of(k) for k in self.configs if k.startswith("w2-")))
-        self.runs = {key: self._make(key) for key in ("compute", *self.configs, AUTO)
+        self.runs = {key: build(key, args, hvd) for key in ("compute", *self.configs, AUTO)
                      if key in self.segments or key == "compute"}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
         self.flat = torch.randn(self.numel)
@@ -129,28 +132,11 @@ class RankBench:
             self.offloaded = self.offload_compute()
 
     # ------------------------------------------------------------------------------ plumbing
-    def _make(self, key: str) -> Tuple[Any, Any]:
-        import pipesgd_hvd.torch as psgd
-
-        torch, args = self.torch, self.args
-        torch.manual_seed(1)
-        model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
-        inner = torch.optim.SGD(model.parameters(), lr=1e-6)
-        if key == "compute":
-            return model, inner
-        if key == "horovod":
-            return model, self.hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-        # auto decides once, before the rounds (decide_auto), with no re-check while timed
-        return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                                auto_measure_steps=args.auto_measure_steps,
-                                                **options(key, layer_mb=(args.dim * args.dim + args.dim) * 4 / 2**20))
-
     def record(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
 
     def uid(self, tag: str) -> str:
-        """A fresh label for the pipeline channel's collectives (it matches them by issue order;
-        a label only names them in errors). Only the main thread draws, so labels agree across ranks."""
+        """A label for the channel's collectives (matched by issue order; only the main thread draws)."""
         self._calls += 1
         return f"bench.{tag}.{self._calls}"
 
@@ -162,24 +148,18 @@ class RankBench:
         return f"bench.{tag}"
 
     def progress(self, line: str) -> None:
-        """Rank 0 appends ``line`` to the progress file the driver echoes (stdout comes back at the end)."""
+        """Rank 0 appends ``line`` to the driver's stderr (``progress``); best effort: a stderr that
+        cannot be opened by path (a socket) only loses these lines."""
         if self.args.progress and self.hvd.rank() == 0:
-            with open(self.args.progress, "a") as f:
-                f.write(line + "\n")
+            with contextlib.suppress(OSError), open(self.args.progress, "a") as f:
+                f.write(f"    {line}\n")
 
     def barrier(self) -> None:
         self.hvd.allreduce(self.torch.zeros(1), name=self.horovod_name("barrier"))
 
-    @staticmethod
-    def timed(fn: Callable[[], Any]) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
     @contextlib.contextmanager
     def billed(self, key: str) -> Iterator[None]:
-        """CPU per step of a segment: this rank's threads, and the whole machine (which also holds
-        the kernel's network work and other jobs)."""
+        """CPU per step of a segment: this rank's threads, and the machine's (network work, other jobs)."""
         cpu0, busy0, hvd0 = self.clock.read(), machine_busy()[0], self.horovod_clock.read()
         yield
         cpu1, busy1, hvd1 = self.clock.read(), machine_busy()[0], self.horovod_clock.read()
@@ -237,7 +217,7 @@ class RankBench:
         self.step(model, opt, calls=calls)  # untimed: refills the pipeline flushed at the last segment's end
         with self.billed(key):
             for _ in range(self.args.steps):
-                self.record(key, self.timed(lambda: self.step(model, opt, split=key == "compute", calls=calls)))
+                self.record(key, timed(lambda: self.step(model, opt, split=key == "compute", calls=calls)))
         if hasattr(opt, "flush"):
             opt.flush()  # nothing of this configuration stays on the wire during the next one
         self.barrier()
@@ -264,12 +244,10 @@ class RankBench:
 
     # --------------------------------------------------------------------------- collectives
     def compressed(self, reduction: str, name: str) -> int:
-        """Our compressed all-reduce of the gradient as the engine runs it: bucket by bucket of the
-        fusion plan, each in a buffer with the room the engine gives it. One call on the whole
-        gradient missed a fixed cost per bucket and each transfer's burst on the shaped links (at
-        130mbit the pipelined fp16 step was 546 ms against 647 ms for the one-call all-reduce).
-        ``reduction``: ``reduction_of`` a row. Returns the bytes this rank sent to other hosts,
-        counted per collective (``pipesgd_hvd/comm/counting.py``)."""
+        """``reduction`` (``reduction_of`` a row) of the gradient as the engine runs it: bucket by bucket,
+        each in a buffer with the engine's room (one call on the whole gradient missed a fixed cost per
+        bucket and each transfer's burst on the shaped links: at 130mbit the pipelined fp16 step was 546
+        ms against 647 ms). Returns the bytes this rank sent to other hosts, counted per collective."""
         from pipesgd_hvd.comm.counting import CountingComm
         from pipesgd_hvd.comm.topology import Topology
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
@@ -294,13 +272,10 @@ class RankBench:
         from pipesgd_hvd.compression.allreduce import padded_numel
 
         if codec not in self._bucket_buffers:
-            buffers, offset = [], 0
-            for numel in self.buckets:
-                buffer = self.torch.zeros(padded_numel(self.codecs[codec], numel, self.hvd.size()))
-                buffer[:numel] = self.flat[offset: offset + numel]
-                buffers.append(buffer)
-                offset += numel
-            self._bucket_buffers[codec] = buffers
+            pad = self.torch.nn.functional.pad
+            self._bucket_buffers[codec] = [
+                pad(part, (0, padded_numel(self.codecs[codec], part.numel(), self.hvd.size()) - part.numel()))
+                for part in self.flat.split(self.buckets)]
         return self._bucket_buffers[codec]
 
     def start(self, codec: str, values: Any) -> Callable[[], Any]:
@@ -376,7 +351,7 @@ class RankBench:
             self.barrier()
             fn()  # untimed: a fresh output's pages, a connection past slow start
             self.barrier()
-            self.record(key, self.timed(fn))
+            self.record(key, timed(fn))
 
     def decide_auto(self) -> Dict[str, Any]:
         """Runs the auto optimizer until it has decided (untimed); returns what it measured and chose."""
@@ -413,7 +388,7 @@ class RankBench:
             for _ in range(args.comm_reps):
                 for key, fn in collectives.items():
                     self.alone(key, fn)
-                self.record("add", self.timed(lambda: acc.add_(summand)))  # gamma: one float32 add
+                self.record("add", timed(lambda: acc.add_(summand)))  # gamma: one float32 add
             if self.topology is not None:
                 self.link_samples()
             self.barrier()
