@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -89,6 +88,8 @@ class Bench:
         import horovod.torch as hvd
         import torch
 
+        from benchmarks.thread_cpu import ThreadClock
+
         hvd.init()
         torch.set_num_threads(args.threads)
         self.hvd, self.torch, self.args = hvd, torch, args
@@ -104,6 +105,7 @@ class Bench:
         self.samples: Dict[str, Dict[str, List[float]]] = {k: {"wall": [], "main": [], "other": []}
                                                            for k in self.segments}
         self.wire: Dict[str, List[int]] = {k: [0, 0] for k in self.keys}  # bytes sent, a float32 ring's bytes
+        self.clock = ThreadClock()
 
     def update(self, key: str) -> None:
         """One update: one call on the batch, or (split_batch, and its compute-alone) two on its halves."""
@@ -127,14 +129,12 @@ class Bench:
         before = (stats.bytes_sent, stats.fp32_bytes) if stats is not None else None
         record = self.samples[key]
         for _ in range(self.args.steps):
-            usage, main, wall = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.perf_counter()
+            (main, other), wall = self.clock.read(), time.perf_counter()
             self.update(key)
-            wall, main = time.perf_counter() - wall, time.thread_time() - main
-            after = resource.getrusage(resource.RUSAGE_SELF)
-            process = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
+            wall, (main1, other1) = time.perf_counter() - wall, self.clock.read()
             record["wall"].append(wall)
-            record["main"].append(main)
-            record["other"].append(max(0.0, process - main))
+            record["main"].append(main1 - main)
+            record["other"].append(max(0.0, other1 - other))
         if stats is not None:
             for i, now in enumerate((stats.bytes_sent, stats.fp32_bytes)):
                 self.wire[key][i] += now - before[i]
@@ -172,7 +172,7 @@ class Bench:
 
 
 def summarize(per_rank: List[Dict[str, Any]], keys: Sequence[str], choice: Optional[str]) -> List[Dict[str, Any]]:
-    """One row per configuration from every rank's samples (see the module docstring)."""
+    """One row per configuration from every rank's samples (columns: docs/benchmarks.md)."""
     def slowest_median(key: str) -> float:
         return statistics.median(max(v) for v in zip(*(r["samples"][key]["wall"] for r in per_rank)))
 

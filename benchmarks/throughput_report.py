@@ -16,8 +16,14 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
 
 
-def cycle(args: Dict[str, Any]) -> str:
-    return f"HOROVOD_CYCLE_TIME={args['horovod_cycle_ms']:g}" if args.get("horovod_cycle_ms") else "Horovod's default cycle"
+def header(record: Dict[str, Any], key: str, launches: Sequence[Launch], setup: str) -> str:
+    """The section's first line: when, where, how long, the model, ``setup``, the record."""
+    args = record["args"]
+    cycle = f"HOROVOD_CYCLE_TIME={args['horovod_cycle_ms']:g}" if args.get("horovod_cycle_ms") else "Horovod's default cycle"
+    return (f"{record['machine']}; {record['elapsed_s'] / 60:.1f} min for {len(launches)} launches. {args['layers']} x "
+            f"Linear({args['dim']}, {args['dim']}), {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient; {setup}; "
+            f"{cycle}; {args['rounds']} rounds of {args['steps']} timed steps per configuration. Samples: "
+            f"`build/{key}.json` (`python -m benchmarks.throughput --render build/{key}.json`).")
 
 
 def launch_row(setting: Dict[str, Any], la: Launch, model: Model) -> List[str]:
@@ -54,8 +60,9 @@ def codec_rows(la: Launch, model: Model) -> List[List[str]]:
              f"{model.interference[c]:.2f}", f"{wire[c]:.3f}" if c in wire else ""] for c in ("none", *la.codecs)]
 
 
-def target_rows(found: Sequence[Target]) -> List[List[str]]:
-    return [[t.name, "met" if t.met else "**missed**", t.measured] for t in found]
+def targets_table(found: Sequence[Target]) -> List[str]:
+    return ["### Targets", "", f"{sum(t.met for t in found)} of {len(found)} targets met.", "",
+            table(["target", "result", "measured"], [[t.name, "met" if t.met else "**missed**", t.measured] for t in found])]
 
 
 def render(record: Dict[str, Any], image: Optional[Path]) -> str:
@@ -73,12 +80,8 @@ def render(record: Dict[str, Any], image: Optional[Path]) -> str:
         plot(launches, models, image)
     title = "Throughput with compute off the cores" if offloaded else "Throughput on the emulated cluster"
     lines = [f"## {title} (`benchmarks/throughput.py{' --offload-compute' if offloaded else ''}`, `make bench`)", "",
-             f"{record['machine']}; {record['elapsed_s'] / 60:.1f} min for {len(launches)} launches; load average "
-             f"before {record['load_before'][0]:.2f}, after {record['load_after'][0]:.2f}. {args['layers']} x "
-             f"Linear({args['dim']}, {args['dim']}), {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, "
-             f"{args['controller']} controller, {cycle(args)}, {args['rounds']} rounds of {args['steps']} timed updates "
-             f"per configuration. Samples: `build/{key}.json` (`python -m benchmarks.throughput --render "
-             f"build/{key}.json`)."]
+             header(record, key, launches, f"load average before {record['load_before'][0]:.2f}, after "
+                                           f"{record['load_after'][0]:.2f}; {args['controller']} controller")]
     cal = record.get("calibration")
     if cal:
         fixed, efficiency = cal["fit"]["fixed"], cal["fit"]["efficiency"]
@@ -101,9 +104,7 @@ def render(record: Dict[str, Any], image: Optional[Path]) -> str:
                   table(["codec", "all-reduce alone ms", "its CPU ms (all threads)", "of which Horovod's ms",
                          "beyond idle ms", "model all-reduce ms", "cost beyond the wire ns/B", "interference f",
                          "wire bytes vs fp32"], codec_rows(la, model))]
-    lines += ["", f"![speed-up over Horovod](img/{key}.png)", "", "### Targets", "",
-              f"{sum(t.met for t in found)} of {len(found)} targets met.", "",
-              table(["target", "result", "measured"], target_rows(found))]
+    lines += ["", f"![speed-up over Horovod](img/{key}.png)", "", *targets_table(found)]
     return "\n".join(lines) + "\n"
 
 
@@ -152,12 +153,8 @@ def render_hierarchical(record: Dict[str, Any], image: Optional[Path] = None) ->
     return "\n".join([
         "## Hierarchical compression on the emulated cluster (`benchmarks/throughput.py --hierarchical`, "
         "`make bench`)", "",
-        f"{record['machine']}; {record['elapsed_s'] / 60:.1f} min for {len(launches)} launches; 2 hosts x 2 ranks "
-        f"(horovodrun --gloo); {args['layers']} x Linear({args['dim']}, {args['dim']}), {launches[0].grad_bytes / 1e6:.1f} "
-        f"MB of float32 gradient; compute off the cores, forward / backward {'/'.join(map(ms, args['device_times']))} "
-        f"ms; {cycle(args)}; {args['rounds']} rounds of {args['steps']} timed steps. Samples: "
-        "`build/hierarchical.json`.", "",
+        header(record, "hierarchical", launches, f"2 hosts x 2 ranks (horovodrun --gloo); compute off the cores, "
+                                                 f"forward / backward {' / '.join(map(ms, args['device_times']))} ms"), "",
         table(["link (Horovod comm / compute)", "configuration", "step ms", "model step ms", "reduction alone ms",
                "model reduction ms", "cross-host MB / step (links)", "cross-host MB / reduction (counted)",
-               "vs Horovod"], body), "", "### Targets", "", f"{sum(t.met for t in found)} of {len(found)} targets met.",
-        "", table(["target", "result", "measured"], target_rows(found))]) + "\n"
+               "vs Horovod"], body), "", *targets_table(found)]) + "\n"

@@ -92,6 +92,7 @@ class RankBench:
         from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
         from pipesgd_hvd.comm.topology import resolve_topology
         from pipesgd_hvd.compression import resolve_compression
+        from pipesgd_hvd.compression.allreduce import padded_numel
 
         # Horovod's threads (its background loop and its Gloo context's), told apart from the
         # pipeline's: the threads born while it starts and runs its first op
@@ -107,8 +108,7 @@ class RankBench:
         self.configs = tuple(k for k in (*TRAINING, *HIERARCHICAL) if k in self.segments)
         # the compressed all-reduces timed alone: those this launch's width-2 rows run
         self.reductions = tuple(dict.fromkeys(reduction_of(k) for k in self.configs if k.startswith("w2-")))
-        self.runs = {key: build(key, args, hvd) for key in ("compute", *self.configs, AUTO)
-                     if key in self.segments or key == "compute"}
+        self.runs = {key: build(key, args, hvd) for key in self.segments if not key.startswith("loop-")}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
         self.flat = torch.randn(self.numel)
         # A width-2 optimizer reduces the gradient as these buckets (default threshold), one
@@ -122,10 +122,14 @@ class RankBench:
         self.topology = resolve_topology(True, self.channel, name="bench.topology") if hvd.local_size() > 1 else None
         self.host_of = self.channel.allgather_object(hvd.cross_rank(), "bench.hosts")
         self.codecs = {c: resolve_compression(c) for c in CODECS}
+        # the buckets as the engine holds them: each in a buffer with room for its codec's padded rows,
+        # zero past the bucket (the reductions only read them)
+        self.buffers = {c: [torch.nn.functional.pad(part, (0, padded_numel(self.codecs[c], len(part), hvd.size())
+                                                           - len(part))) for part in self.flat.split(self.buckets)]
+                        for c in dict.fromkeys(r.rsplit("-", 1)[-1] for r in self.reductions)}
         self.clock = ThreadClock()
         self.samples: Dict[str, List[float]] = {}
         self._calls = 0
-        self._bucket_buffers: Dict[str, List[Any]] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-comm")
         self.offloaded: Optional["OffloadedCompute"] = None
         if args.offload_compute:
@@ -261,32 +265,19 @@ class RankBench:
         else:
             counted = comm = CountingComm(self.channel, self.host_of.__getitem__)
             reduce = compressed_allreduce
-        for i, (numel, buffer) in enumerate(zip(self.buckets, self.bucket_buffers(codec))):
+        for i, (numel, buffer) in enumerate(zip(self.buckets, self.buffers[codec])):
             reduce(TORCH_OPS, comm, self.codecs[codec], buffer, numel=numel, name=f"{name}.b{i}",
                    key=f"{reduction}/b{i}", seed=0)
         return counted.cross_bytes
 
-    def bucket_buffers(self, codec: str) -> List[Any]:
-        """The gradient's buckets for ``codec``, as the engine holds them: each in a buffer of
-        ``padded_numel`` values, zero past the bucket's (built once; the reductions only read them)."""
-        from pipesgd_hvd.compression.allreduce import padded_numel
-
-        if codec not in self._bucket_buffers:
-            pad = self.torch.nn.functional.pad
-            self._bucket_buffers[codec] = [
-                pad(part, (0, padded_numel(self.codecs[codec], part.numel(), self.hvd.size()) - part.numel()))
-                for part in self.flat.split(self.buckets)]
-        return self._bucket_buffers[codec]
-
     def start(self, codec: str, values: Any) -> Callable[[], Any]:
         """Starts one all-reduce the way the engine does; returns its wait. ``values``: the float32
-        all-reduce's buffer (a byte codec reduces the gradient's buckets, ``bucket_buffers``)."""
+        all-reduce's buffer (a byte codec reduces ``buffers``)."""
         from pipesgd_hvd.comm.base import ReduceOp
 
         if codec == "none":
             return self.channel.allreduce_async_(values, self.uid("loop"), ReduceOp.AVERAGE).wait
-        name = self.uid(codec)
-        return self.pool.submit(self.compressed, codec, name).result
+        return self.pool.submit(self.compressed, codec, self.uid(codec)).result
 
     def collectives(self) -> Dict[str, Callable[[], Any]]:
         """The collectives timed alone: float32 all-reduces of three sizes (through the communicator,
@@ -294,14 +285,12 @@ class RankBench:
         bill its spin as communication CPU) and the compressed all-reduce of each width-2 row."""
         from pipesgd_hvd.comm.base import ReduceOp
 
-        comm, uid = self.comm, self.uid
-
         def float32(values: Any, tag: str) -> Callable[[], Any]:
             # in place on a buffer of its own: repeated averaging changes the values, not the time
-            return lambda: comm.allreduce_async_(values, self.horovod_name(tag), ReduceOp.AVERAGE).wait()
+            return lambda: self.comm.allreduce_async_(values, self.horovod_name(tag), ReduceOp.AVERAGE).wait()
 
         def compressed(reduction: str) -> Callable[[], Any]:
-            return lambda: self.compressed(reduction, uid(reduction))
+            return lambda: self.compressed(reduction, self.uid(reduction))
 
         return {"comm-none": float32(self.flat.clone(), "ar"),
                 "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
@@ -342,7 +331,7 @@ class RankBench:
             self.sampled(f"cross-a2a/{nbytes}", lambda: topo.cross.alltoall_async(rows, self.uid("xa2a")).wait())
         shards = torch.zeros(topo.local.size, -(-self.numel // topo.local.size))
         self.sampled("local-a2a", lambda: topo.local.alltoall_async(shards, self.uid("la2a")).wait())
-        for c in dict.fromkeys(r.rsplit("-", 1)[-1] for r in self.reductions):
+        for c in self.buffers:
             codec, rows = self.codecs[c], torch.zeros(padded_numel(self.codecs[c], self.numel, size)).view(size, -1)
             self.sampled(f"codec/{c}", lambda: codec.decode(TORCH_OPS, *codec.encode(TORCH_OPS, rows, key="k", seed=0)))
 
@@ -372,7 +361,7 @@ class RankBench:
     def run(self) -> None:
         args, hvd, segments = self.args, self.hvd, self.segments
         collectives = self.collectives()
-        if args.quick:
+        if args.quick:  # the calibration: the float32 all-reduce
             collectives = {"comm-none": collectives["comm-none"]}
         summand, acc = self.torch.randn(self.numel), self.torch.zeros(self.numel)
         launched = time.perf_counter()
@@ -409,8 +398,7 @@ class RankBench:
                       "grad_bytes": self.numel * 4, "layers": args.layers, "buckets": self.buckets,
                       "configs": self.configs, "per_rank": everyone, "wire_ratio": wire,
                       "auto": auto, "offloaded": self.offloaded is not None}
-            sys.stdout.write(MARKER + json.dumps(result) + "\n")
-            sys.stdout.flush()
+            print(MARKER + json.dumps(result), flush=True)
 
 
 def main(argv: List[str]) -> None:
