@@ -16,7 +16,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch

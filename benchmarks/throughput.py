@@ -113,16 +113,6 @@ def device_times(text: str) -> List[float]:
     return times
 
 
-def worker_settings(args: argparse.Namespace, setting: "Setting", configs: Sequence[str], quick: bool) -> Dict[str, Any]:
-    """What the worker reads. Compute off the cores waits ``args.device_times`` (the calibration's, or
-    --device-times) for ``args.batch``; a launch of another batch (the 4-host one) times its own passes."""
-    offload = bool(getattr(args, "offload_compute", False))
-    fixed = offload and getattr(args, "device_times", None) is not None and setting.batch == args.batch
-    return {**{k: getattr(args, k) for k in ("rounds", "steps", "comm_reps", "dim", "layers")}, "batch": setting.batch,
-            "auto_measure_steps": 5, "configs": list(configs), "quick": quick, "offload_compute": offload,
-            "device_times": args.device_times if fixed else None}
-
-
 def hierarchical_settings(args: argparse.Namespace) -> List["Setting"]:
     """The hierarchical kind's launches: per aim, the rate at which Horovod's ring all-reduce of the
     gradient over the 4 ranks (a host's link carries 2 (N-1)/N of it) takes ``aim`` x the device times."""
@@ -135,13 +125,17 @@ def run_launch(setting: Setting, args: argparse.Namespace, configs: Sequence[str
     from tools.cluster import gloo, horovodrun, launch
     from tools.cluster.netns import Cluster, leftover_namespaces
 
-    hierarchical = getattr(args, "hierarchical", False)
-    what = f"{setting.hosts} hosts{' x 2 ranks' if hierarchical else ''}, {setting.rate}, batch {setting.batch}"
+    what = f"{setting.hosts} hosts{' x 2 ranks' if args.hierarchical else ''}, {setting.rate}, batch {setting.batch}"
+    # compute off the cores waits args.device_times (the calibration's, or --device-times) for args.batch;
+    # a launch of another batch (the 4-host one) times its own passes
+    fixed = args.offload_compute and args.device_times is not None and setting.batch == args.batch
+    # rank 0 appends its progress to this process's stderr (a launch's output comes back only at its end)
+    worker = {**{k: getattr(args, k) for k in ("rounds", "steps", "comm_reps", "dim", "layers", "offload_compute")},
+              "batch": setting.batch, "auto_measure_steps": 5, "configs": list(configs), "quick": quick,
+              "device_times": args.device_times if fixed else None, "progress": f"/proc/{os.getpid()}/fd/2"}
     with tempfile.TemporaryDirectory(prefix="pipesgd-bench-") as tmp:
-        # rank 0 appends its progress to this process's stderr (a launch's output comes back only at its end)
         settings = Path(tmp) / "settings.json"
-        settings.write_text(json.dumps({**worker_settings(args, setting, configs, quick),
-                                        "progress": f"/proc/{os.getpid()}/fd/2"}))
+        settings.write_text(json.dumps(worker))
         cmd = [sys.executable, "-m", "benchmarks.throughput_worker", str(settings)]
         env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
                **horovod_cycle_env(args.horovod_cycle_ms)}
@@ -149,7 +143,7 @@ def run_launch(setting: Setting, args: argparse.Namespace, configs: Sequence[str
         log(f"[launch] {what} (waited {waited:.0f} s for other jobs; {busy:.1f} cores busy)")
         start = time.perf_counter()
         with Cluster(setting.hosts, rate=setting.rate) as cluster:
-            if hierarchical:  # horovodrun itself: a host's ranks share its namespace, their traffic stays on it
+            if args.hierarchical:  # horovodrun itself: a host's ranks share its namespace, their traffic stays on it
                 proc = horovodrun.run(cluster, cmd, ranks_per_host=2, env=env, timeout=args.launch_timeout)
             else:
                 proc = (gloo if args.controller == "gloo" else launch).run(cluster, cmd, env=env,

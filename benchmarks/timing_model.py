@@ -196,15 +196,6 @@ def fit_link(samples: Iterable[Sequence], *, gamma: Optional[float] = None) -> L
                       gamma=float(x[2]) if gamma is None else gamma)
 
 
-def fit_codec(samples: Iterable[Sequence[float]]) -> float:
-    """Codec cost in s per float32 byte from ``(nbytes, seconds)`` samples of one encode + one
-    decode of ``nbytes``: the slope of ``seconds = overhead + c nbytes`` (non-negative, relative
-    error; the fixed per-call overhead is dropped, the model has no term for it)."""
-    pairs = [(float(m), float(t)) for m, t in samples]
-    return float(_fit([[1.0, m] for m, _ in pairs], [t for _, t in pairs], "fit_codec",
-                      "time two or more byte counts")[1])
-
-
 def plot_speedup(path: str, n: int, nbytes: float, link: LinkParams, compute: float, *,
                  widths: Sequence[int] = (1, 2), codecs: Iterable[CodecParams] = tuple(CODECS.values()),
                  iterations: Optional[int] = None, overlap: float = 0.0, interference: float = 0.0) -> None:
