@@ -1,12 +1,9 @@
-"""Codec speed on one core: encode+decode of each byte codec, the fused kernels next to the unfused
-tensor-op reference, each against a plain copy of the same tensor timed right beside it (the
-memory limit). Writes the "codec_speed" section of docs/benchmarks.md.
+"""Codec speed on one core: encode + decode of each byte codec, the fused kernels next to the unfused
+tensor-op reference, each against a plain copy of the same tensor timed beside it (the memory
+limit), in a process with glibc's default allocator settings and in one where freed memory stays
+mapped. Writes the "codec_speed" section of docs/benchmarks.md (which says how to read it).
 
     OMP_NUM_THREADS=1 python -m benchmarks.codec_speed [--repeats 7] [--mib 16 64] [--no-write]
-
-The codec timings run in two worker processes: one with glibc's default allocator settings and
-one where freed memory stays mapped (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), to
-tell the kernels' own speed from the page faults of the new tensors every codec returns.
 """
 from __future__ import annotations
 

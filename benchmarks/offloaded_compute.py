@@ -1,13 +1,10 @@
 """Compute off the host's cores: a training step's forward and backward passes as an accelerator
-runs them, seen from the host (``benchmarks/throughput.py --offload-compute`` and ``--hierarchical``).
+runs them, seen from the host (docs/benchmarks.md, *Compute off the cores*: why).
 
-Why: with compute on this machine's cores, every millisecond the pipeline's or Horovod's threads
-spend is taken from compute, so a pipelined step cannot reach max(compute, all-reduce); on a GPU
-the host thread only launches kernels and waits. Here the forward pass is a wait of its measured
-time; the backward pass waits its time in one slice per layer, last layer first, each layer's
-gradients (fixed tensors that autograd copies into ``.grad``, the step's one write on the host)
-arriving after its slice, so hooks fire layer by layer. The waits sleep: they hold neither a core
-nor the GIL. The optimizer, the engine and the reductions run as in the real step.
+The forward pass is a wait of its measured time; the backward pass waits its time in one slice per
+layer, last layer first, each layer's gradients (fixed tensors that autograd copies into ``.grad``,
+the step's one write on the host) arriving after its slice, so hooks fire layer by layer. The
+waits sleep: they hold neither a core nor the GIL, as a host thread blocked on its device.
 """
 from __future__ import annotations
 

@@ -7,14 +7,9 @@
     python -m benchmarks.throughput --settings 620mbit:1024 --rounds 1 --no-doc # a fixed RATE:BATCH
     python -m benchmarks.throughput --render build/throughput.json             # tables from a record
 
-A calibration (``throughput_plan.py``) sets each aim's link rate; then one launch per aim and one
-on 4 hosts, ranks on network namespaces with ``tc tbf`` links (``tools/cluster``), every
-configuration side by side in a launch (``throughput_worker.py``). ``--hierarchical``: 2 ranks
-per host under ``horovodrun --gloo``, links shaped between hosts only, compute off the cores, rates
-from the aims. Each kind writes its section of docs/benchmarks.md (docs/benchmarks.md says how to
-read it), its samples to build/<section>.json. ``HOROVOD_CYCLE_TIME=20`` for every rank
-(``--horovod-cycle-ms``): on CPU ranks that fill the cores Horovod's loop, awake every cycle,
-takes compute's core.
+Each launch starts the worker (``throughput_worker.py``) on network namespaces with shaped links
+(``tools/cluster``); each kind writes its section of docs/benchmarks.md, which says how it runs and
+how to read it, and its samples to build/<section>.json.
 """
 from __future__ import annotations
 

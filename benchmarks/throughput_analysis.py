@@ -1,23 +1,7 @@
 """The emulated-cluster study's launches, from the JSON their worker prints: medians, bounds, the
-timing model's predictions and the targets (docs/benchmarks.md says how to read them).
-
-The model (``benchmarks/timing_model.py``) gets only measurements of parts, never of the steps it
-predicts: the link from ``fit_link`` on float32 all-reduces of three sizes and a float32 add; each
-codec's cost from its all-reduce timed alone (beyond the wire time the fitted link gives it);
-compute and its backward share; the interference f per codec: with one core per rank the CPU X an
-all-reduce costs the rank (its threads, beyond what they burn idle over as long) is taken from
-compute beside it, ``l_comm f/(1+f) = X`` (f = 0 with compute off the cores); a width-1 step's
-overlap h from its buckets: the backward pass after the first bucket is ready can hide
-communication, the last bucket's cannot, ``h = min(1 - s_last, bwd (1 - s_first) / l_AR)``, s a
-bucket's share of the gradient. split_batch (``w2-split-<codec>``): two calls of half the batch
-per update, each call's all-reduce hidden behind the next call's half of the compute: the bound is
-``max(compute, 2 l_comm)``, the model twice the pipelined step of half the compute.
-
-The hierarchical kind (``hierarchical_model``, ``pipesgd_hvd/auto/model.py``): the link between
-hosts from alltoalls of two sizes on the cross-node groups, the links inside one from an alltoall
-on the node group, gamma from a float32 add, each codec's cost from its encode + decode; a width-2
-step at max(compute, reduction), Horovod's at compute + its all-reduce.
-"""
+timing model's predictions and the targets. How the model is fed from measured parts, never from
+the steps it predicts: docs/benchmarks.md, "The emulated cluster" (*Model*) and "Hierarchical
+compression on the emulated cluster"."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,18 +1,9 @@
 """What `make bench` launches: each launch's link rate from a calibration, and the configurations.
 
-The link rate sets a launch's comm/compute (Horovod's float32 all-reduce alone over compute
-alone). Fixed rates land far from their aim on another CPU (155mbit gave comm/compute 2.18 on a
-slower machine and 5.24 on a faster one), so the driver first measures, on the cluster itself,
-compute alone and the float32 all-reduce alone at two link rates (``FIRST_RATE``, then
-``second_rate``: about where the largest aim lands, so that the fit interpolates), fits
-
-    comm(R) = fixed + wire / (efficiency R),     wire = 2 (N-1)/N  x  gradient bytes x 8
-
-(``wire``: the bits a rank sends in a ring all-reduce; ``fixed``: what does not shrink with the
-rate: latency, copies, the sum; ``efficiency``: the share of the tc rate the all-reduce reaches)
-and solves ``comm(R) = aim x compute`` for R. Two rates, because one cannot split ``fixed`` from
-``efficiency``: scaling one measured all-reduce with the rate (``fixed`` = 0) put the 0.25x launch
-~45% above its aim where ``fixed`` is a third of its all-reduce.
+The link rate sets a launch's comm/compute (Horovod's float32 all-reduce alone over compute alone),
+so the driver measures both on the cluster at two rates, fits ``comm(R) = fixed + wire /
+(efficiency R)`` (``wire = 2 (N-1)/N x gradient bytes x 8``) and solves ``comm(R) = aim x compute``
+for R (why two rates: docs/benchmarks.md, *Calibration*).
 """
 from __future__ import annotations
 
