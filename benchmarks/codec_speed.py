@@ -146,9 +146,10 @@ def run_worker(args: argparse.Namespace, extra_env: Dict[str, str]) -> Results:
     cmd += ["--tensorflow"] if args.tensorflow else []
     proc = subprocess.run(cmd, env=dict(os.environ, **extra_env), stdout=subprocess.PIPE, text=True, check=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith(MARKER))
-    raw = json.loads(line[len(MARKER):])
-    return {int(numel): {tuple(case.split("|")): t for case, t in cases.items()}  # type: ignore[misc]
-            for numel, cases in raw.items()}
+    results: Results = {}
+    for numel, name, path, times in json.loads(line[len(MARKER):]):
+        results.setdefault(numel, {})[name, path] = times
+    return results
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -160,8 +161,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.tensorflow:
         quiet(args.max_quiet_wait)
         results[min(results)].update(tensorflow_times(min(results), args.repeats))
-    raw = {str(numel): {"|".join(case): t for case, t in cases.items()} for numel, cases in results.items()}
-    print(MARKER + json.dumps(raw), flush=True)
+    print(MARKER + json.dumps([[n, *case, t] for n, cases in results.items() for case, t in cases.items()]), flush=True)
 
 
 def quiet(max_wait: float) -> None:

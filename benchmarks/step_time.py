@@ -4,11 +4,9 @@
     horovodrun -np 8 -H a:4,b:4 python benchmarks/step_time.py --out step_time.json
     python benchmarks/step_time.py --compare before.json after.json           # after / before, no ranks
 
-Every configuration (``--configs``; grammar: ``options``) trains its own copy of one model on one
-fixed batch, interleaved with the others in rounds, so that load on the machine hits all alike;
-Horovod's always runs, every speed-up is over it. An update is one optimizer update on ``--batch``
-samples: two calls of half of it under split_batch. The columns: docs/benchmarks.md, "Step time on
-your cluster". Rank 0 prints the tables and writes every row and sample to ``--out`` (JSON).
+Every configuration (``--configs``, names: ``options``) trains its own copy of one model on one
+fixed batch, interleaved with the others in rounds (load on the machine hits all alike); every
+speed-up is over Horovod's. What each column means: docs/benchmarks.md, "Step time on your cluster".
 """
 from __future__ import annotations
 

@@ -99,10 +99,7 @@ def horovod_cycle_env(cycle_ms: float) -> Dict[str, str]:
 
 def device_times(text: str) -> List[float]:
     """``--device-times``: "FORWARD,BACKWARD" in seconds, each finite and >= 0."""
-    try:
-        times = [float(t) for t in text.split(",")]
-    except ValueError:
-        times = []
+    times = [float(t) for t in text.split(",")]  # not a number: argparse's "invalid device_times value"
     if len(times) != 2 or not all(math.isfinite(t) and t >= 0 for t in times):
         raise argparse.ArgumentTypeError(f"not FORWARD,BACKWARD in seconds (each >= 0): {text!r}")
     return times

@@ -1,11 +1,7 @@
 """One rank of the emulated-cluster study: ``benchmarks/throughput.py`` starts it on every rank with
 its settings in a JSON file; rank 0 prints one JSON line (``MARKER``) with every rank's samples.
-
 Everything compared runs in this one launch, interleaved in rounds, so that the load of the shared
-machine hits all alike. Per round: a training segment per configuration and the engine-free width-2
-loops (an untimed update refills the flushed pipeline, then ``steps`` timed ones; CPU per thread
-and the host link's bytes read around them); each collective alone with the CPU it costs; a
-float32 add; with several ranks per host (``--hierarchical``) the links its model needs.
+machine hits all alike: per round a segment per configuration, then the collectives alone.
 """
 from __future__ import annotations
 
@@ -73,9 +69,8 @@ def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
 
 
 def segments_for(configs: Sequence[str], quick: bool = False) -> Tuple[str, ...]:
-    """The segments of a launch that runs ``configs`` (TRAINING keys and ``auto``): compute alone
-    always, and each plain width-2 row's engine-free loop unless ``quick`` (the calibration:
-    compute and the float32 all-reduce, little else)."""
+    """A launch's segments: compute alone, ``configs``, and each plain width-2 row's engine-free loop
+    unless ``quick`` (the calibration: compute and the float32 all-reduce)."""
     loops = () if quick else tuple(f"loop-{k[3:] or 'none'}" for k in configs
                                    if k.startswith("w2") and not k.startswith("w2-split"))
     return tuple(k for k in SEGMENTS if k == "compute" or k in configs or k in loops)
@@ -146,9 +141,8 @@ class RankBench:
 
     @staticmethod
     def horovod_name(tag: str) -> str:
-        """A Horovod op's name, the same every time for one role, as a training job's: fresh names fill
-        Horovod's response cache, which its loop works through every cycle (after 3000 of them that
-        thread took 26-71 ms CPU per step against 11-27 ms, 2 emulated hosts, 142mbit)."""
+        """A Horovod op's name, the same for one role, as a training job's: fresh names fill Horovod's
+        response cache, which its loop walks every cycle (3000 of them: 26-71 ms CPU per step, not 11-27)."""
         return f"bench.{tag}"
 
     def progress(self, line: str) -> None:
@@ -194,8 +188,8 @@ class RankBench:
         return OffloadedCompute(list(model), forward_s=times[0], backward_s=times[1])
 
     def step(self, model: Any, opt: Any, split: bool = False, calls: int = 1) -> None:
-        """One update: one call on the batch, or ``calls`` calls on as many parts of it (split_batch);
-        ``split`` records the forward, backward and update times of a one-call update."""
+        """One update, in ``calls`` calls on as many parts of the batch (split_batch: 2); ``split``
+        records a one-call update's forward, backward and update times."""
         for x in self.x.chunk(calls):
             opt.zero_grad()
             t0 = time.perf_counter()
@@ -301,10 +295,9 @@ class RankBench:
                 **{f"comm-{r}": compressed(r) for r in self.reductions}}
 
     def alone(self, key: str, fn: Callable[[], Any]) -> None:
-        """A collective alone: its time, and the CPU it costs this rank (all threads), which it
-        would take from compute on a shared core, and the share of it that Horovod's threads took;
-        a compressed one's bytes to other hosts. With several ranks per host, after an untimed one:
-        TCP past its slow start, as in training (the host restarts it after an idle second)."""
+        """A collective alone: its time, the CPU it costs this rank (all threads; Horovod's apart), a
+        compressed one's bytes to other hosts. With several ranks per host, after an untimed one: TCP
+        past its slow start, as in training (the host restarts it after an idle second)."""
         if self.topology is not None:
             self.barrier()
             fn()
@@ -318,10 +311,9 @@ class RankBench:
             self.record(f"payload/{key}", sent)
 
     def link_samples(self) -> None:
-        """What the hierarchical model needs, each after an untimed run of itself, every rank at
-        once: the link between hosts (alltoalls of ``CROSS_BYTES`` on the cross-node groups, all
-        groups at once as the hierarchical stage runs them), the links inside a host (an alltoall of
-        the gradient's shards on the node group), each codec's encode + decode of the gradient."""
+        """What the hierarchical model needs, every rank at once, each after an untimed run: alltoalls
+        of ``CROSS_BYTES`` on the cross-node groups (all at once, as the hierarchical stage runs them),
+        one of the gradient's shards on the node group, each codec's encode + decode of the gradient."""
         from pipesgd_hvd.compression.allreduce import padded_numel
         from pipesgd_hvd.ops.torch import TORCH_OPS
 

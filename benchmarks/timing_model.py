@@ -113,6 +113,7 @@ def predict(n: int, nbytes: float, link: LinkParams, compute: float, *, widths: 
     if iterations is not None and iterations < 1:
         raise ValueError(f"iterations must be >= 1 (or None for steady state), got {iterations}")
     sync_comm = ring_allreduce_time(n, nbytes, link)
+    sync = sync_iteration_time(compute, sync_comm, overlap)
     comm: Dict[str, float] = {}
     iteration: Dict[Tuple[str, int], float] = {}
     gain: Dict[Tuple[str, int], float] = {}
@@ -124,9 +125,8 @@ def predict(n: int, nbytes: float, link: LinkParams, compute: float, *, widths: 
         else:
             iteration[(codec.name, width)] = total_time(iterations, compute, c, width=width, overlap=overlap,
                                                         interference=interference) / iterations
-        gain[(codec.name, width)] = speedup(compute, sync_comm, c, width=width, iterations=iterations,
-                                            overlap=overlap, interference=interference)
-    return Prediction(sync=sync_iteration_time(compute, sync_comm, overlap),
+        gain[(codec.name, width)] = sync / iteration[(codec.name, width)]  # = speedup(), fill spread alike
+    return Prediction(sync=sync,
                       ps=ps_iteration_time(n, nbytes, link, compute), comm=comm, iteration=iteration, speedup=gain)
 
 
