@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.throughput import wait_for_quiet
+from benchmarks.thread_cpu import wait_for_quiet
 from benchmarks.throughput_worker import timed
 from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
 from pipesgd_hvd.ops.torch import TorchOps

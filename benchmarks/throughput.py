@@ -24,12 +24,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .throughput_analysis import Launch
 from .throughput_plan import (AIMS, FIRST_RATE, fit_comm, off_aim, plan_rate, rate_bps, second_rate, select_configs,
                               tc_rate, wire_bits)
-from .thread_cpu import machine_busy
+from .thread_cpu import wait_for_quiet
 from .throughput_worker import AUTO, HIERARCHICAL, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,21 +64,6 @@ def launch_configs(configs: Sequence[str], setting: Setting) -> List[str]:
     """A launch's configurations: split_batch rows only at ``SPLIT_AIMS`` and at fixed rates."""
     split = setting.hosts == 2 and (setting.target is None or setting.target in SPLIT_AIMS)
     return [k for k in configs if split or not k.startswith("w2-split-")]
-
-
-def wait_for_quiet(max_wait: float, idle_cores: float = 1.5, window: float = 2.0) -> Tuple[float, float]:
-    """Waits (at most ``max_wait`` s) until other jobs leave ``idle_cores`` idle over ``window`` s, so
-    that a launch does not start amid someone's test run (it only lowers the odds); returns (seconds
-    waited, busy cores in the last window)."""
-    start = time.monotonic()
-    while True:
-        busy0, total0 = machine_busy()
-        time.sleep(window)
-        busy1, total1 = machine_busy()
-        cores = os.cpu_count() or 1
-        busy = (busy1 - busy0) / max(total1 - total0, 1e-9) * cores
-        if cores - busy >= idle_cores or time.monotonic() - start >= max_wait:
-            return time.monotonic() - start, busy
 
 
 def log(line: str) -> None:

@@ -189,7 +189,7 @@ def width1_buckets(layers: int, grad_bytes: int) -> Dict[str, List[float]]:
 
 
 def bucket_overlap(shares: List[float], backward: float, comm: float) -> float:
-    """h of a width-1 step whose buckets hold ``shares`` of the gradient (module docstring)."""
+    """h of a width-1 step whose buckets hold ``shares`` of the gradient (docs/benchmarks.md, *Model*)."""
     return max(0.0, min(1.0 - shares[-1], backward * (1.0 - shares[0]) / comm))
 
 

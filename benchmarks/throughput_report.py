@@ -29,7 +29,7 @@ def header(record: Dict[str, Any], key: str, launches: Sequence[Launch], setup: 
 def launch_row(setting: Dict[str, Any], la: Launch, model: Model) -> List[str]:
     ratio = la.comm("none") / la.compute
     aim = "" if setting["target"] is None else f"{setting['target']:g} ({off_aim(ratio, setting['target']) or 'met'})"
-    link = model.link
+    link = model.link  # alpha, bandwidth and gamma as fitted
     return [f"{la.hosts} hosts, {la.rate}, batch {la.batch}", aim, f"{ratio:.2f}",
             f"{ms(la.compute)} ({ms(la.median('forward'))} / {ms(la.median('backward'))} / {ms(la.median('update'))})",
             ms(la.comm("none")), f"{link.alpha * 1e6:.0f} / {link.bandwidth * 8 / 1e9:.2f} / {link.gamma * 1e9:.3f}",

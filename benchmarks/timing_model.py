@@ -86,10 +86,9 @@ def speedup(compute: float, sync_comm: float, comm: Optional[float] = None, *, w
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted per-iteration seconds. ``sync``: uncompressed synchronous all-reduce (the
-    baseline); ``ps``: a synchronous parameter server; ``comm[codec]``: one all-reduce;
-    ``iteration[(codec, width)]`` and ``speedup[(codec, width)]`` over ``sync``. With
-    ``iterations`` set, the pipeline fill is spread over them."""
+    """Predicted seconds per iteration: ``sync`` (uncompressed, the baseline), ``ps`` (a parameter
+    server), ``iteration[(codec, width)]`` (the fill spread over ``iterations`` if set) and its
+    ``speedup`` over ``sync``; ``comm[codec]``: one all-reduce."""
 
     sync: float
     ps: float
