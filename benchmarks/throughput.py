@@ -188,10 +188,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--hierarchical", action="store_true",
-                        help="2 hosts x 2 ranks, links shaped between hosts only, compute off the cores: Horovod and "
-                             "width 2 + int8 / int4, flat and hierarchical (defaults: --aims 1 5 --layers 2 --steps 10 "
-                             "--device-times 0.03,0.07)")
+    parser.add_argument("--hierarchical", action="store_true", help="2 hosts x 2 ranks, flat and hierarchical "
+                        "(defaults: --aims 1 5 --layers 2 --steps 10 --device-times 0.03,0.07)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed updates per configuration per round")
     parser.add_argument("--comm-reps", type=int, default=1, help="collective timings per round")

@@ -300,10 +300,9 @@ def hierarchical_rows(la: Launch) -> List[Dict[str, Any]]:
 
 
 def hierarchical_targets(where: str, aim: Optional[float], rows: List[Dict[str, Any]], local: int) -> List[Target]:
-    """Issue 33's: hierarchical int8's (and int4's) bytes between hosts at most 1/local of flat's
-    (counted per collective: headers and Horovod's traffic, on the links, are no part of them); at
-    comm ~5x compute hierarchical int8 >= 1.5x faster than flat int8; hierarchical int8 within 10%
-    of max(compute, its reduction alone); the model within 15% of the hierarchical rows."""
+    """Issue 33's: hierarchical int8's (and int4's) bytes between hosts, counted per collective, at
+    most 1/local of flat's; at comm ~5x compute hierarchical int8 >= 1.5x faster than flat int8; it
+    within 10% of max(compute, its reduction alone); the model within 15% of the hierarchical rows."""
     at, out = {r["config"]: r for r in rows}, []
     for codec in ("int8", "int4"):
         flat, hier = at[f"w2-flat-{codec}"], at[f"w2-hier-{codec}"]

@@ -33,7 +33,6 @@ HIERARCHICAL = tuple(f"w2-{form}-{c}" for c in ("int8", "int4") for form in ("fl
 # for step t-1's): what this machine allows; the engine's own overhead is the difference.
 LOOPS = tuple(f"loop-{c}" for c in ("none", *CODECS))
 AUTO = "auto"  # width and compression "auto", timed in what it chose before the rounds
-IDLE_S = 0.25  # the idle segment timed beside the collectives
 CROSS_BYTES = (4096, 1 << 21)  # the alltoalls across hosts (hierarchical kind): latency, then bandwidth
 SEGMENTS = ("compute", *TRAINING, *HIERARCHICAL, AUTO, *LOOPS)
 
@@ -89,8 +88,7 @@ class RankBench:
         from pipesgd_hvd.compression import resolve_compression
         from pipesgd_hvd.compression.allreduce import padded_numel
 
-        # Horovod's threads (its background loop and its Gloo context's), told apart from the
-        # pipeline's: the threads born while it starts and runs its first op
+        # Horovod's threads (its loop's, its Gloo context's): those born while it starts and runs an op
         before = native_thread_ids()
         hvd.init()
         hvd.allreduce(torch.zeros(1), name=self.horovod_name("barrier"))
@@ -106,8 +104,7 @@ class RankBench:
         self.runs = {key: build(key, args, hvd) for key in self.segments if not key.startswith("loop-")}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
         self.flat = torch.randn(self.numel)
-        # A width-2 optimizer reduces the gradient as these buckets (default threshold), one
-        # after another on its comm thread: the compressed all-reduces below do the same.
+        # a width-2 optimizer reduces these buckets one after another on its comm thread: so do we
         self.buckets = fusion_buckets(args.layers, args.dim, DEFAULT_FUSION_THRESHOLD)
         # Horovod's float32 all-reduce is what its own optimizer runs; the compressed all-reduces and
         # the engine-free loops run on a pipeline channel, the transport the training rows use.
@@ -291,7 +288,7 @@ class RankBench:
                 "ar-small": float32(self.torch.zeros(256), "ars"),
                 # nothing: what the rank's threads burn with nothing to do (Horovod's background
                 # loop wakes every cycle); the model leaves it out of a collective's CPU
-                "idle": lambda: time.sleep(IDLE_S),
+                "idle": lambda: time.sleep(0.25),
                 **{f"comm-{r}": compressed(r) for r in self.reductions}}
 
     def alone(self, key: str, fn: Callable[[], Any]) -> None:
