@@ -24,10 +24,13 @@ test: install
 # Link rates come from a calibration run first (comm/compute 0.25, 1, 2.5, 5); subsets and fixed rates:
 # python -m benchmarks.throughput --help. Then the 2-host launches again with compute off the cores
 # (--offload-compute: forward and backward passes as waits of their measured times, as an accelerator's
-# step looks from the host): the "throughput-offloaded" section. docs/benchmarks.md says how to read both.
+# step looks from the host): the "throughput-offloaded" section. Last, 2 hosts x 2 ranks under horovodrun, links
+# shaped between the hosts only, compute off the cores: Horovod and width 2 + int8 / int4, flat against hierarchical
+# (issue 33), the "hierarchical" section. docs/benchmarks.md says how to read all three.
 bench: install
 	$(PY) -m benchmarks.throughput
 	$(PY) -m benchmarks.throughput --offload-compute --four-hosts ''
+	$(PY) -m benchmarks.throughput --hierarchical
 
 # The accuracy study (issue 30, benchmarks/accuracy/): writes docs/accuracy.md, docs/accuracy.json (the record)
 # and docs/img/accuracy.png; 4 SGD tasks, a standard and a stress language model (AdamW), the NAdamW and Muon

@@ -1,12 +1,9 @@
-"""Codec speed on one core: encode+decode of each byte codec, the fused kernels next to the unfused
-tensor-op reference, each against a plain copy of the same tensor timed right beside it (the
-memory limit). Writes the "codec_speed" section of docs/benchmarks.md.
+"""Codec speed on one core: encode + decode of each byte codec, the fused kernels next to the unfused
+tensor-op reference, each against a plain copy of the same tensor timed beside it (the memory
+limit), in a process with glibc's default allocator settings and in one where freed memory stays
+mapped. Writes the "codec_speed" section of docs/benchmarks.md (which says how to read it).
 
     OMP_NUM_THREADS=1 python -m benchmarks.codec_speed [--repeats 7] [--mib 16 64] [--no-write]
-
-The codec timings run in two worker processes: one with glibc's default allocator settings and
-one where freed memory stays mapped (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), to
-tell the kernels' own speed from the page faults of the new tensors every codec returns.
 """
 from __future__ import annotations
 
@@ -16,12 +13,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.throughput import wait_for_quiet
+from benchmarks.thread_cpu import wait_for_quiet
+from benchmarks.throughput_worker import timed
 from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
 from pipesgd_hvd.ops.torch import TorchOps
 
@@ -47,12 +44,6 @@ def log(message: str) -> None:
     print(f"[codec_speed] {message}", file=sys.stderr, flush=True)
 
 
-def seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def codec_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str, float]]:
     """(codec, path) -> median seconds of encode, decode, and of the plain copy timed beside them;
     (``clone``, ``-``) -> a copy into a new tensor (what allocating an output costs on top)."""
@@ -68,12 +59,12 @@ def codec_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str, flo
     for rep in range(repeats):  # interleaved: drift on the machine hits every case alike
         for case, (codec, ops) in cases.items():
             got: Dict[str, object] = {}
-            samples[case]["copy"].append(seconds(lambda: copy_dst.copy_(x)))
-            samples[case]["encode"].append(seconds(lambda: got.update(enc=codec.encode(ops, x, key="b", seed=rep))))
+            samples[case]["copy"].append(timed(lambda: copy_dst.copy_(x)))
+            samples[case]["encode"].append(timed(lambda: got.update(enc=codec.encode(ops, x, key="b", seed=rep))))
             payload, ctx = got["enc"]  # type: ignore[misc]
-            samples[case]["decode"].append(seconds(lambda: codec.decode(ops, payload, ctx)))
-        clones["copy"].append(seconds(lambda: copy_dst.copy_(x)))
-        clones["clone"].append(seconds(lambda: x.clone()))
+            samples[case]["decode"].append(timed(lambda: codec.decode(ops, payload, ctx)))
+        clones["copy"].append(timed(lambda: copy_dst.copy_(x)))
+        clones["clone"].append(timed(lambda: x.clone()))
         log(f"{numel * 4 / 2 ** 20:.0f} MiB: {rep + 1}/{repeats}")
     out = {case: {k: statistics.median(v) for k, v in s.items()} for case, s in samples.items()}
     out["clone", "-"] = {k: statistics.median(v) for k, v in clones.items()}
@@ -108,10 +99,10 @@ def tensorflow_times(numel: int, repeats: int) -> Dict[Tuple[str, str], Dict[str
                 # No .numpy(): it copies (a whole copy for decode's float32), and eager TensorFlow
                 # returns a function's outputs computed, so the call alone is the codec's time.
                 got: Dict[str, object] = {}
-                times["copy"].append(seconds(lambda: copy_dst.copy_(x_torch)))
-                times["encode"].append(seconds(lambda: got.update(p=encode(x))))
+                times["copy"].append(timed(lambda: copy_dst.copy_(x_torch)))
+                times["encode"].append(timed(lambda: got.update(p=encode(x))))
                 payload = got["p"]
-                times["decode"].append(seconds(lambda: decode(payload)))
+                times["decode"].append(timed(lambda: decode(payload)))
             out[name, label] = {k: statistics.median(v) for k, v in times.items()}
         log(f"TensorFlow {name}: done")
     return out
@@ -155,9 +146,10 @@ def run_worker(args: argparse.Namespace, extra_env: Dict[str, str]) -> Results:
     cmd += ["--tensorflow"] if args.tensorflow else []
     proc = subprocess.run(cmd, env=dict(os.environ, **extra_env), stdout=subprocess.PIPE, text=True, check=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith(MARKER))
-    raw = json.loads(line[len(MARKER):])
-    return {int(numel): {tuple(case.split("|")): t for case, t in cases.items()}  # type: ignore[misc]
-            for numel, cases in raw.items()}
+    results: Results = {}
+    for numel, name, path, times in json.loads(line[len(MARKER):]):
+        results.setdefault(numel, {})[name, path] = times
+    return results
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -169,8 +161,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.tensorflow:
         quiet(args.max_quiet_wait)
         results[min(results)].update(tensorflow_times(min(results), args.repeats))
-    raw = {str(numel): {"|".join(case): t for case, t in cases.items()} for numel, cases in results.items()}
-    print(MARKER + json.dumps(raw), flush=True)
+    print(MARKER + json.dumps([[n, *case, t] for n, cases in results.items() for case, t in cases.items()]), flush=True)
 
 
 def quiet(max_wait: float) -> None:
@@ -205,12 +196,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     by_mode = {mode: run_worker(args, env) for mode, env in MALLOC_MODES.items()}
     text = (f"## Codec speed (`benchmarks/codec_speed.py`)\n\n{machine_line()}, one core (torch threads 1, "
             f"OMP_NUM_THREADS={threads}), PyTorch CPU tensors, load average {load_before[0]:.1f} before the run, "
-            f"{os.getloadavg()[0]:.1f} after; medians of {args.repeats}. x copies: encode + decode over a plain "
-            "copy of the same float32 tensor into an existing one timed beside it (in brackets: encode + decode); "
-            "GB/s: float32 bytes in over encode + decode. `fused`: the kernels of "
-            "`pipesgd_hvd/compression/_kernels.c`; `reference`: the unfused tensor-op composition (same bytes). "
-            "*Freed memory kept*: a process where freed memory stays mapped, so new outputs are not page-faulted "
-            "afresh: the kernels' own speed.\n\n" + codec_table(by_mode))
+            f"{os.getloadavg()[0]:.1f} after; medians of {args.repeats}.\n\n" + codec_table(by_mode))
     print(text)
     if not args.no_write:
         write_section("codec_speed", text)

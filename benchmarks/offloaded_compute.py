@@ -1,21 +1,10 @@
 """Compute off the host's cores: a training step's forward and backward passes as an accelerator
-runs them, seen from the host (``benchmarks/throughput.py --offload-compute``).
+runs them, seen from the host (docs/benchmarks.md, *Compute off the cores*: why).
 
-Why: on this machine each rank's compute owns one of the two cores, so every millisecond the
-pipeline's threads (codec, transport) or Horovod's spend is taken from compute, and a pipelined
-step cannot reach max(compute, all-reduce), engine or not (docs/benchmarks.md, "throughput"). On a
-GPU the host thread only launches kernels and waits, and the pipeline's threads have a core. This
-module stands in for that, to tell the schedule's own cost from the core it shares:
-
-* the forward pass is a wait of the forward time that was measured for the real model;
-* the backward pass waits the measured backward time in one slice per layer, last layer first,
-  and each layer's gradients arrive after its slice, so hooks fire layer by layer as in a real
-  backward pass (Horovod's optimizer starts each all-reduce there; pipesgd's fills its buckets);
-* each gradient is a fixed tensor that autograd copies into ``.grad``: the one write per step of
-  a real backward pass, on the host.
-
-The waits sleep: they hold neither a core nor the GIL, as a host thread blocked on its device
-holds none. Everything else (the optimizer, the engine, the reductions) runs as in the real step.
+The forward pass is a wait of its measured time; the backward pass waits its time in one slice per
+layer, last layer first, each layer's gradients (fixed tensors that autograd copies into ``.grad``,
+the step's one write on the host) arriving after its slice, so hooks fire layer by layer. The
+waits sleep: they hold neither a core nor the GIL, as a host thread blocked on its device.
 """
 from __future__ import annotations
 

@@ -4,40 +4,20 @@
     horovodrun -np 8 -H a:4,b:4 python benchmarks/step_time.py --out step_time.json
     python benchmarks/step_time.py --compare before.json after.json           # after / before, no ranks
 
-Configurations (``--configs``; Horovod's always runs, every speed-up is over it): ``horovod``
-(``hvd.DistributedOptimizer``), ``w1`` and ``w2`` (pipesgd width 1 and 2), ``w2-<codec>`` (fp16,
-bf16, truncate16, int8, int4), ``w2-split`` and ``w2-split-<codec>`` (``staleness_correction=
-"split_batch"``), ``auto`` (``width="auto", compression="auto"``, timed in the configuration it
-chose before the rounds). Each trains its own copy of one model (``--layers`` x Linear(dim, dim),
-``--small``: 8 x Linear(256, 256), batch 64) on one fixed random batch, interleaved in rounds so
-that load on the machine hits all alike; one untimed update refills the pipeline before each
-segment of ``--steps`` timed updates, ``flush()`` ends it.
-
-*Update*: one optimizer update on ``--batch`` samples. Under split_batch an update takes two calls
-of half the batch each (a look-ahead half, a real half; each call's all-reduce hides behind the
-next call's half of the compute), so its row is timed per pair of calls: the same samples per
-update as the others, and two all-reduces of the gradient instead of one.
-
-Columns: *step*, the median over updates of the slowest rank's wall time; *speed-up*, Horovod's
-step over the row's; *host*, the training thread's CPU per update (``time.thread_time``) beyond
-compute alone (the same model and inner optimizer without communication): the step path's own
-cost on that thread (pipesgd's waits block and cost none; a wait that polls counts); *other
-threads*, the rank's other threads' CPU per update (the comm thread, Horovod's background loop);
-*wire*, bytes a rank sent per update over what one float32 all-reduce sends (counted by the
-engine; "-" for Horovod's and on one rank). CPU figures are the mean over ranks of each rank's
-median. Rank 0 prints the tables and writes every row and sample to ``--out`` (JSON).
+Every configuration (``--configs``, names: ``options``) trains its own copy of one model on one
+fixed batch, interleaved with the others in rounds (load on the machine hits all alike); every
+speed-up is over Horovod's. What each column means: docs/benchmarks.md, "Step time on your cluster".
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
@@ -46,30 +26,57 @@ VALID = ("horovod", "w1", "w2", *(f"w2-{c}" for c in CODECS), "w2-split", *(f"w2
 DEFAULT = ("horovod", "w1", "w2", "w2-fp16", "w2-int8", "w2-int4", "w2-split", "w2-split-int8", "auto")
 
 
-def select(names: Sequence[str]) -> List[str]:
-    """The configurations to run, in ``VALID``'s order, Horovod's among them; an unknown name raises."""
+def select(names: Sequence[str], valid: Sequence[str] = VALID, extra: Sequence[str] = ()) -> List[str]:
+    """The configurations to run (``names``, each may be a comma list; with ``extra``), in ``valid``'s
+    order, Horovod's among them; an unknown name raises, naming the valid ones."""
     names = [n for part in names for n in part.split(",") if n]
-    unknown = [n for n in names if n not in VALID]
+    unknown = [n for n in names if n not in valid]
     if unknown:
-        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; valid: {', '.join(VALID)}")
-    return [k for k in VALID if k in {"horovod", *names}]
+        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return [k for k in valid if k in {"horovod", *names, *extra}]
 
 
-def options(key: str) -> Dict[str, Any]:
-    """pipesgd's arguments for a configuration key (not ``horovod``)."""
+def options(key: str, layer_mb: float = 0.0) -> Dict[str, Any]:
+    """pipesgd's arguments for a configuration key (not ``horovod``): ``auto``, or ``w<width>`` then,
+    each optional: ``-split`` (split_batch), ``-flat``/``-hier`` (hierarchical off/on; neither: the
+    default, on where it helps), ``-layer`` (buckets of ``layer_mb``, one layer) or a codec."""
     if key == "auto":
         return {"width": "auto", "compression": "auto", "auto_recheck_every": 0}
     width, *rest = key[1:].split("-")
     extra: Dict[str, Any] = {"width": int(width), "compression": "none"}
-    if rest[:1] == ["split"]:
-        extra["staleness_correction"], rest = "split_batch", rest[1:]
-    if rest:
-        extra["compression"] = rest[0]
+    for part in rest:
+        if part == "split":
+            extra["staleness_correction"] = "split_batch"
+        elif part in ("flat", "hier"):
+            extra["hierarchical"] = part == "hier"
+        elif part == "layer":
+            extra["fusion_threshold_mb"] = layer_mb
+        else:
+            extra["compression"] = part
     return extra
 
 
 def calls_per_update(key: str) -> int:
     return 2 if "-split" in key else 1
+
+
+def build(key: str, args: argparse.Namespace, hvd: Any, device: Any = "cpu") -> Tuple[Any, Any]:
+    """A configuration's own copy of the model (``args.layers`` x Linear(dim, dim), the same initial
+    weights for all) and its optimizer: SGD alone for ``compute*``, wrapped by Horovod or pipesgd."""
+    import torch
+
+    import pipesgd_hvd.torch as psgd
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)]).to(device)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-6)
+    if key == "horovod":
+        return model, hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    if key.startswith("compute"):
+        return model, inner
+    one_layer_mb = (args.dim * args.dim + args.dim) * 4 / 2**20
+    return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                            auto_measure_steps=args.auto_measure_steps, **options(key, one_layer_mb))
 
 
 class Bench:
@@ -79,7 +86,7 @@ class Bench:
         import horovod.torch as hvd
         import torch
 
-        import pipesgd_hvd.torch as psgd
+        from benchmarks.thread_cpu import ThreadClock
 
         hvd.init()
         torch.set_num_threads(args.threads)
@@ -91,22 +98,12 @@ class Bench:
         self.keys = args.configs
         # compute alone: the same model and inner optimizer, no communication (host time's baseline)
         self.segments = ["compute", *(["compute-split"] if any("-split" in k for k in self.keys) else []), *self.keys]
-        self.runs: Dict[str, Any] = {}
-        for key in self.segments:
-            torch.manual_seed(1)
-            model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
-            model.to(self.device)
-            opt: Any = torch.optim.SGD(model.parameters(), lr=1e-6)
-            if key == "horovod":
-                opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-            elif not key.startswith("compute"):
-                opt = psgd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                                auto_measure_steps=args.auto_measure_steps, **options(key))
-            self.runs[key] = (model, opt)
+        self.runs = {key: build(key, args, hvd, self.device) for key in self.segments}
         self.grad_bytes = sum(p.numel() * 4 for p in self.runs["compute"][0].parameters())
         self.samples: Dict[str, Dict[str, List[float]]] = {k: {"wall": [], "main": [], "other": []}
                                                            for k in self.segments}
         self.wire: Dict[str, List[int]] = {k: [0, 0] for k in self.keys}  # bytes sent, a float32 ring's bytes
+        self.clock = ThreadClock()
 
     def update(self, key: str) -> None:
         """One update: one call on the batch, or (split_batch, and its compute-alone) two on its halves."""
@@ -130,14 +127,12 @@ class Bench:
         before = (stats.bytes_sent, stats.fp32_bytes) if stats is not None else None
         record = self.samples[key]
         for _ in range(self.args.steps):
-            usage, main, wall = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.perf_counter()
+            (main, other), wall = self.clock.read(), time.perf_counter()
             self.update(key)
-            wall, main = time.perf_counter() - wall, time.thread_time() - main
-            after = resource.getrusage(resource.RUSAGE_SELF)
-            process = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
+            wall, (main1, other1) = time.perf_counter() - wall, self.clock.read()
             record["wall"].append(wall)
-            record["main"].append(main)
-            record["other"].append(max(0.0, process - main))
+            record["main"].append(main1 - main)
+            record["other"].append(max(0.0, other1 - other))
         if stats is not None:
             for i, now in enumerate((stats.bytes_sent, stats.fp32_bytes)):
                 self.wire[key][i] += now - before[i]
@@ -175,7 +170,7 @@ class Bench:
 
 
 def summarize(per_rank: List[Dict[str, Any]], keys: Sequence[str], choice: Optional[str]) -> List[Dict[str, Any]]:
-    """One row per configuration from every rank's samples (see the module docstring)."""
+    """One row per configuration from every rank's samples (columns: docs/benchmarks.md)."""
     def slowest_median(key: str) -> float:
         return statistics.median(max(v) for v in zip(*(r["samples"][key]["wall"] for r in per_rank)))
 

@@ -1,4 +1,4 @@
-"""CPU clocks of this process's threads and of the machine (Linux), for the throughput worker.
+"""CPU clocks of this process's threads and of the machine (Linux), for the benchmarks.
 
 Which threads burn a rank's CPU matters on these machines: Horovod's background loop wakes every
 cycle whether or not an op is waiting (docs/transports.md), so a collective timed alone
@@ -69,3 +69,18 @@ def machine_busy() -> Tuple[float, float]:
     tick = os.sysconf("SC_CLK_TCK")
     idle = v[3] + v[4]
     return (sum(v) - idle) / tick, sum(v) / tick
+
+
+def wait_for_quiet(max_wait: float, idle_cores: float = 1.5, window: float = 2.0) -> Tuple[float, float]:
+    """Waits (at most ``max_wait`` s) until other jobs leave ``idle_cores`` idle over ``window`` s, so
+    that a launch does not start amid someone's test run (it only lowers the odds); returns (seconds
+    waited, busy cores in the last window)."""
+    start = time.monotonic()
+    while True:
+        busy0, total0 = machine_busy()
+        time.sleep(window)
+        busy1, total1 = machine_busy()
+        cores = os.cpu_count() or 1
+        busy = (busy1 - busy0) / max(total1 - total0, 1e-9) * cores
+        if cores - busy >= idle_cores or time.monotonic() - start >= max_wait:
+            return time.monotonic() - start, busy

@@ -1,57 +1,47 @@
 """Throughput on the emulated cluster: Horovod's synchronous optimizer against pipesgd_hvd.
 
-    python -m benchmarks.throughput            (as root; `make bench` runs it)
-
-A calibration (two short launches: compute alone and the float32 all-reduce alone at two link
-rates, ``benchmarks/throughput_plan.py``) sets each aim's link rate; then one 2-host launch per
-aim (comm/compute 0.25x, 1x, 2.5x, 5x) and one 4-host launch, ranks one per host on network
-namespaces with ``tc tbf`` links (``tools/cluster``). Inside a launch every configuration runs
-side by side, interleaved in rounds (``benchmarks/throughput_worker.py``); the split_batch rows
-run at the 1x and 5x aims. Writes tables to the "throughput" section of docs/benchmarks.md and
-docs/img/throughput.png, its samples to build/throughput.json; with ``--offload-compute``
-(forward and backward passes as waits of their measured times) the "throughput-offloaded" ones.
-
+    python -m benchmarks.throughput                       (as root; `make bench` runs all three)
+    python -m benchmarks.throughput --offload-compute     (compute off the cores)
+    python -m benchmarks.throughput --hierarchical        (2 hosts x 2 ranks, flat vs hierarchical)
     python -m benchmarks.throughput --no-doc --aims 1 5 --configs w2 w2-int8   # a subset, docs/ untouched
     python -m benchmarks.throughput --settings 620mbit:1024 --rounds 1 --no-doc # a fixed RATE:BATCH
     python -m benchmarks.throughput --render build/throughput.json             # tables from a record
 
-Every rank runs with ``HOROVOD_CYCLE_TIME=20`` (``--horovod-cycle-ms``; 0: Horovod's default):
-on CPU ranks that fill the cores Horovod's background loop, awake every cycle, takes compute's core.
+Each launch starts the worker (``throughput_worker.py``) on network namespaces with shaped links
+(``tools/cluster``); each kind writes its section of docs/benchmarks.md, which says how it runs and
+how to read it, and its samples to build/<section>.json.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .throughput_analysis import Launch
-from .throughput_plan import AIMS, FIRST_RATE, fit_comm, off_aim, plan_rate, rate_bps, second_rate, select_configs
-from .thread_cpu import machine_busy
-from .throughput_worker import AUTO, MARKER, TRAINING
+from .throughput_plan import (AIMS, FIRST_RATE, fit_comm, off_aim, plan_rate, rate_bps, second_rate, select_configs,
+                              tc_rate, wire_bits)
+from .thread_cpu import wait_for_quiet
+from .throughput_worker import AUTO, HIERARCHICAL, MARKER, TRAINING
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The aims whose launches also run the split_batch rows (comm ~ compute and ~5x compute).
 SPLIT_AIMS = (1.0, 5.0)
 
 
-def section_key(offloaded: bool) -> str:
-    """The run's section of docs/benchmarks.md, and the name of its record and plot."""
-    return "throughput-offloaded" if offloaded else "throughput"
-
-
-def record_path(key: str, no_doc: bool = False) -> Path:
-    """Where a run's samples are kept (a --no-doc trial's apart: it never replaces the doc's record)."""
-    return ROOT / "build" / (f"{key}-nodoc.json" if no_doc else f"{key}.json")
+def section_key(args: Dict[str, Any]) -> str:
+    """A run's section of docs/benchmarks.md (from its arguments), and the name of its record and plot."""
+    if args.get("hierarchical"):
+        return "hierarchical"
+    return "throughput-offloaded" if args.get("offload_compute") else "throughput"
 
 
 @dataclass(frozen=True)
@@ -59,16 +49,15 @@ class Setting:
     hosts: int
     rate: str      # tc rate: "250mbit", "1gbit", ...
     batch: int     # per rank: sets the compute time
-    aim: str       # in words, for the report
     target: Optional[float] = None  # the comm/compute aimed at (None: a fixed --settings rate)
 
     @classmethod
-    def parse(cls, hosts: int, spec: str, aim: str) -> "Setting":
+    def parse(cls, hosts: int, spec: str) -> "Setting":
         rate, _, batch = spec.partition(":")
         if not batch.isdigit():
             raise ValueError(f"not RATE:BATCH: {spec!r}; write e.g. 620mbit:1024")
         rate_bps(rate)
-        return cls(hosts, rate, int(batch), aim)
+        return cls(hosts, rate, int(batch))
 
 
 def launch_configs(configs: Sequence[str], setting: Setting) -> List[str]:
@@ -77,47 +66,8 @@ def launch_configs(configs: Sequence[str], setting: Setting) -> List[str]:
     return [k for k in configs if split or not k.startswith("w2-split-")]
 
 
-def wait_for_quiet(max_wait: float, idle_cores: float = 1.5, window: float = 2.0) -> Tuple[float, float]:
-    """Waits (at most ``max_wait`` s) until other jobs leave ``idle_cores`` idle over ``window`` s,
-    so that a launch does not start in the middle of someone's test run; returns (seconds waited,
-    busy cores in the last window). The cores are shared: this only lowers the odds."""
-    start = time.monotonic()
-    while True:
-        busy0, total0 = machine_busy()
-        time.sleep(window)
-        busy1, total1 = machine_busy()
-        cores = os.cpu_count() or 1
-        busy = (busy1 - busy0) / max(total1 - total0, 1e-9) * cores
-        if cores - busy >= idle_cores or time.monotonic() - start >= max_wait:
-            return time.monotonic() - start, busy
-
-
 def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def echo(path: Path, prefix: str) -> Iterator[None]:
-    """Echoes the lines the worker's rank 0 appends to ``path`` (a launch takes minutes; its stdout
-    comes back only at the end) while the block runs."""
-    stop = threading.Event()
-
-    def tail() -> None:
-        seen, stopping = 0, False
-        while not stopping:
-            stopping = stop.wait(2.0)  # one more read after the block ends: its last lines
-            text = path.read_text() if path.exists() else ""
-            for line in text[seen:].splitlines():
-                log(f"{prefix}{line}")
-            seen = len(text)
-
-    thread = threading.Thread(target=tail, name="bench-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def horovod_cycle_env(cycle_ms: float) -> Dict[str, str]:
@@ -132,43 +82,57 @@ def horovod_cycle_env(cycle_ms: float) -> Dict[str, str]:
     return {}
 
 
-def offload_flags(args: argparse.Namespace, batch: int) -> List[str]:
-    """The worker's flags for compute off the cores: the waits the calibration measured for
-    ``args.batch`` (every aimed launch waits the same); a launch of another batch times its own."""
-    if not getattr(args, "offload_compute", False):
-        return []
-    times = getattr(args, "device_times", None)
-    fixed = times is not None and batch == args.batch
-    return ["--offload-compute", *(["--device-times", ",".join(f"{t:.6f}" for t in times)] if fixed else [])]
+def device_times(text: str) -> List[float]:
+    """``--device-times``: "FORWARD,BACKWARD" in seconds, each finite and >= 0."""
+    times = [float(t) for t in text.split(",")]  # not a number: argparse's "invalid device_times value"
+    if len(times) != 2 or not all(math.isfinite(t) and t >= 0 for t in times):
+        raise argparse.ArgumentTypeError(f"not FORWARD,BACKWARD in seconds (each >= 0): {text!r}")
+    return times
+
+
+def hierarchical_settings(args: argparse.Namespace) -> List["Setting"]:
+    """The hierarchical kind's launches: per aim, the rate at which Horovod's ring all-reduce of the
+    gradient over the 4 ranks (a host's link carries 2 (N-1)/N of it) takes ``aim`` x the device times."""
+    wire = wire_bits(4, 4 * args.layers * (args.dim * args.dim + args.dim))
+    return [Setting(2, tc_rate(wire / (aim * sum(args.device_times))), args.batch, aim) for aim in args.aims]
 
 
 def run_launch(setting: Setting, args: argparse.Namespace, configs: Sequence[str], quick: bool = False) -> Launch:
     """One launch of the worker on a fresh cluster, running ``configs`` beside compute alone."""
-    from tools.cluster import gloo, launch
+    from tools.cluster import gloo, horovodrun, launch
     from tools.cluster.netns import Cluster, leftover_namespaces
 
-    what = f"{setting.hosts} hosts, {setting.rate}, batch {setting.batch}"
+    what = f"{setting.hosts} hosts{' x 2 ranks' if args.hierarchical else ''}, {setting.rate}, batch {setting.batch}"
+    # compute off the cores waits args.device_times (the calibration's, or --device-times) for args.batch;
+    # a launch of another batch (the 4-host one) times its own passes
+    fixed = args.offload_compute and args.device_times is not None and setting.batch == args.batch
+    # rank 0 appends its progress to this process's stderr (a launch's output comes back only at its end)
+    worker = {**{k: getattr(args, k) for k in ("rounds", "steps", "comm_reps", "dim", "layers", "offload_compute")},
+              "batch": setting.batch, "auto_measure_steps": 5, "configs": list(configs), "quick": quick,
+              "device_times": args.device_times if fixed else None, "progress": f"/proc/{os.getpid()}/fd/2"}
     with tempfile.TemporaryDirectory(prefix="pipesgd-bench-") as tmp:
-        lines = Path(tmp) / "progress"
-        cmd = [sys.executable, "-m", "benchmarks.throughput_worker", "--rounds", str(args.rounds), "--steps",
-               str(args.steps), "--comm-reps", str(args.comm_reps), "--batch", str(setting.batch), "--dim",
-               str(args.dim), "--layers", str(args.layers), "--progress", str(lines), "--configs", ",".join(configs),
-               *(["--quick"] if quick else []), *offload_flags(args, setting.batch)]
+        settings = Path(tmp) / "settings.json"
+        settings.write_text(json.dumps(worker))
+        cmd = [sys.executable, "-m", "benchmarks.throughput_worker", str(settings)]
         env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
                **horovod_cycle_env(args.horovod_cycle_ms)}
         waited, busy = wait_for_quiet(args.max_quiet_wait)
         log(f"[launch] {what} (waited {waited:.0f} s for other jobs; {busy:.1f} cores busy)")
         start = time.perf_counter()
-        with Cluster(setting.hosts, rate=setting.rate) as cluster, echo(lines, "    "):
-            proc = (gloo if args.controller == "gloo" else launch).run(cluster, cmd, env=env,
-                                                                       timeout=args.launch_timeout)
+        with Cluster(setting.hosts, rate=setting.rate) as cluster:
+            if args.hierarchical:  # horovodrun itself: a host's ranks share its namespace, their traffic stays on it
+                proc = horovodrun.run(cluster, cmd, ranks_per_host=2, env=env, timeout=args.launch_timeout)
+            else:
+                proc = (gloo if args.controller == "gloo" else launch).run(cluster, cmd, env=env,
+                                                                           timeout=args.launch_timeout)
     left = leftover_namespaces(cluster.prefix)
     if left:
         raise RuntimeError(f"tear-down left namespaces behind: {left}")
     log(f"  {what}: {time.perf_counter() - start:.0f} s")
     for line in proc.stdout.splitlines():
-        if line.startswith(MARKER):
-            return Launch(setting.hosts, setting.rate, setting.batch, json.loads(line[len(MARKER):]), waited, busy)
+        if MARKER in line:  # horovodrun tags each line with its rank
+            raw = json.loads(line.split(MARKER, 1)[1])
+            return Launch(setting.hosts, setting.rate, setting.batch, raw, waited, busy)
     raise RuntimeError(f"no result (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
@@ -178,7 +142,7 @@ def calibrate(args: argparse.Namespace, launch: Callable[..., Launch] = run_laun
     short = argparse.Namespace(**{**vars(args), "rounds": 2, "steps": max(3, args.steps), "comm_reps": 2})
 
     def at(rate: str) -> Launch:
-        return launch(Setting(2, rate, args.batch, "calibration"), short, configs=(), quick=True)
+        return launch(Setting(2, rate, args.batch), short, configs=(), quick=True)
 
     first = at(FIRST_RATE)
     launches = [first, at(second_rate(2, first.grad_bytes, rate_bps(first.rate), first.comm("none"), first.compute,
@@ -201,14 +165,16 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     from .report import machine_line
 
     load_before, start = os.getloadavg(), time.perf_counter()
-    calibration = None if args.settings else calibrate(args)
-    if calibration is not None:
-        args.device_times = calibration.get("device_s")
-        settings = [Setting(2, rate, args.batch, f"comm ~{aim:g}x compute", aim) for aim, rate, _ in calibration["plans"]]
+    calibration = None if args.settings or args.hierarchical else calibrate(args)
+    if args.settings:
+        settings = [Setting.parse(2, spec) for spec in args.settings]
+    elif args.hierarchical:
+        settings = hierarchical_settings(args)
     else:
-        settings = [Setting.parse(2, spec, "rate set by --settings") for spec in args.settings]
+        args.device_times = args.device_times or calibration.get("device_s")
+        settings = [Setting(2, rate, args.batch, aim) for aim, rate, _ in calibration["plans"]]
     if args.four_hosts:
-        settings.append(Setting.parse(4, args.four_hosts, "4 ranks on 2 cores: oversubscribed"))
+        settings.append(Setting.parse(4, args.four_hosts))
     launches = []
     for s in settings:
         launches.append(run_launch(s, args, launch_configs(args.configs, s)))
@@ -222,6 +188,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--hierarchical", action="store_true", help="2 hosts x 2 ranks, flat and hierarchical "
+                        "(defaults: --aims 1 5 --layers 2 --steps 10 --device-times 0.03,0.07)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed updates per configuration per round")
     parser.add_argument("--comm-reps", type=int, default=1, help="collective timings per round")
@@ -240,17 +208,28 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="HOROVOD_CYCLE_TIME of every rank (0: Horovod's default)")
     parser.add_argument("--offload-compute", action="store_true",
                         help="forward and backward passes as waits of their measured times, off the cores")
-    parser.add_argument("--launch-timeout", type=float, default=600)
+    parser.add_argument("--device-times", type=device_times, metavar="FORWARD,BACKWARD",
+                        help="compute off the cores: these waits, in seconds, instead of the calibration's")
+    parser.add_argument("--launch-timeout", type=float, default=1800)
     parser.add_argument("--max-quiet-wait", type=float, default=45,
                         help="seconds to wait before each launch for other jobs to leave the cores idle")
     parser.add_argument("--no-doc", action="store_true", help="print the tables; leave docs/ alone")
     parser.add_argument("--render", metavar="JSON", help="no launches: the tables from a saved record")
     args = parser.parse_args(argv)
+    hier = ["horovod", *HIERARCHICAL]
+    if args.hierarchical:  # the kind's own defaults; flags given still win
+        parser.set_defaults(aims=[1.0, 5.0], layers=2, steps=10, device_times=[0.03, 0.07], offload_compute=True,
+                            four_hosts="", configs=hier)
+        args = parser.parse_args(argv)
+        if args.configs != hier or args.controller != "gloo":
+            parser.error("--hierarchical runs its own configurations under horovodrun --gloo: drop --configs / --controller")
+    elif args.device_times is not None and not args.offload_compute:
+        parser.error("--device-times sets the waits of compute off the cores: add --offload-compute")
     try:
-        args.configs = list(select_configs(args.configs))
+        args.configs = hier if args.hierarchical else list(select_configs(args.configs))
         for spec in [*(args.settings or []), args.four_hosts]:
             if spec:
-                Setting.parse(2, spec, "")
+                Setting.parse(2, spec)
         if args.horovod_cycle_ms < 0:
             raise ValueError(f"--horovod-cycle-ms must be >= 0 (0: Horovod's default), got {args.horovod_cycle_ms:g}")
         if not args.render:
@@ -260,7 +239,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not all(aim > 0 for aim in args.aims):
         parser.error(f"--aims must be > 0, got {args.aims}")
     from .report import write_section
-    from .throughput_report import render
+    from .throughput_report import render, render_hierarchical
 
     if args.render:
         record = json.loads(Path(args.render).read_text())
@@ -268,12 +247,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         if os.geteuid() != 0:
             sys.exit("benchmarks.throughput creates network namespaces: run it as root")
         record = measure(args)
-        saved = record_path(section_key(args.offload_compute), args.no_doc)
+        # a --no-doc trial's record apart: it never replaces the doc's
+        saved = ROOT / "build" / f"{section_key(vars(args))}{'-nodoc' if args.no_doc else ''}.json"
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(record))
         print(f"samples kept in {saved}")
-    key = section_key(bool(record["args"].get("offload_compute")))
-    text = render(record, None if args.no_doc else ROOT / "docs" / "img" / f"{key}.png")
+    key = section_key(record["args"])
+    text = (render_hierarchical if key == "hierarchical" else render)(record, None if args.no_doc else
+                                                                       ROOT / "docs" / "img" / f"{key}.png")
     if not args.no_doc:
         write_section(key, text)
     print(text)

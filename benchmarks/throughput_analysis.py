@@ -1,20 +1,7 @@
-"""One throughput launch, from the JSON its worker prints: medians, bounds, the timing model's
-predictions and the targets (docs/benchmarks.md says how to read them).
-
-The model (``benchmarks/timing_model.py``) gets only measurements of parts, never of the steps it
-predicts: the link from ``fit_link`` on float32 all-reduces of three sizes and a float32 add; each
-codec's cost from its all-reduce timed alone (all it spends beyond the wire time the fitted link
-gives it); compute and its backward share; the interference f per codec: with one core per rank
-the CPU X an all-reduce costs the rank (in the threads that run it, beyond what they burn idle
-over as long) is taken from compute beside it, ``l_comm f/(1+f) = X`` (f = 0 with compute off the
-cores); a width-1 step's overlap h from its buckets: the backward pass after the first bucket is
-ready can hide communication, the last bucket's cannot, ``h = min(1 - s_last, bwd (1 - s_first) /
-l_AR)``, s a bucket's share of the gradient.
-
-split_batch rows (``w2-split-<codec>``): an update is two calls of half the batch, each call's
-all-reduce hidden behind the next call's half of the compute, so per update the bound is
-``max(compute, 2 l_comm)`` and the model twice the pipelined step of half the compute.
-"""
+"""The emulated-cluster study's launches, from the JSON their worker prints: medians, bounds, the
+timing model's predictions and the targets. How the model is fed from measured parts, never from
+the steps it predicts: docs/benchmarks.md, "The emulated cluster" (*Model*) and "Hierarchical
+compression on the emulated cluster"."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,11 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pipesgd_hvd.auto.model import CODECS as MODEL_CODECS
-from pipesgd_hvd.auto.model import CodecParams, LinkParams, compressed_allreduce_time, sync_iteration_time
+from pipesgd_hvd.auto.model import (CodecParams, LinkParams, compressed_allreduce_time, flat_on_nodes_time,
+                                    hierarchical_allreduce_time, sync_iteration_time)
 from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 
+from .step_time import calls_per_update as calls
 from .timing_model import fit_link, pipelined_iteration_time
-from .throughput_worker import AUTO, CODECS, fusion_buckets
+from .throughput_worker import AUTO, CODECS, CROSS_BYTES, HIERARCHICAL, fusion_buckets, reduction_of
 
 LABELS = {"horovod": "Horovod DistributedOptimizer (sync)", "w1": "pipesgd width 1",
           "w1-layer": "pipesgd width 1, one bucket per layer", "w2": "pipesgd width 2",
@@ -42,11 +31,6 @@ AUTO_CHOICES = ("w1", "w2", "w2-fp16", "w2-int8", "w2-int4")
 def codec_of(key: str) -> str:
     """The codec a configuration sends: 'none' for float32 (Horovod, width 1, width 2)."""
     return key.rsplit("-", 1)[1] if key.startswith("w2-") else "none"
-
-
-def calls(key: str) -> int:
-    """Optimizer calls per update: two for split_batch (half the batch each), else one."""
-    return 2 if key.startswith("w2-split-") else 1
 
 
 @dataclass
@@ -74,13 +58,12 @@ class Launch:
 
     @property
     def codecs(self) -> Tuple[str, ...]:
-        """The codecs of its width-2 rows: their compressed all-reduces were timed alone too."""
+        """The codecs of its width-2 rows (their all-reduces were timed alone too)."""
         return tuple(dict.fromkeys(codec_of(k) for k in self.configs if codec_of(k) != "none"))
 
     @property
     def offloaded(self) -> bool:
-        """Whether compute ran off the cores (waits as long as the real passes, ``--offload-compute``)."""
-        return bool(self.raw.get("offloaded"))
+        return bool(self.raw.get("offloaded"))  # compute off the cores
 
     def samples(self, key: str) -> List[float]:
         """Per sample, the slowest rank's value (every rank runs the same samples in order)."""
@@ -88,6 +71,19 @@ class Launch:
 
     def median(self, key: str) -> float:
         return statistics.median(self.samples(key))
+
+    def slowest(self, key: str) -> float:
+        """The slowest rank's median (the hierarchical kind's)."""
+        return max(statistics.median(r["samples"][key]) for r in self.raw["per_rank"] if key in r["samples"])
+
+    def pooled(self, key: str) -> float:
+        """The median of every rank's samples: a link's own speed, which one rank's stall (another
+        job took its core mid-exchange) should not set."""
+        return statistics.median(v for r in self.raw["per_rank"] for v in r["samples"].get(key, []))
+
+    def total(self, key: str) -> float:
+        """The sum of the ranks' medians (a host's counter, read on one of its ranks, counts once)."""
+        return sum(statistics.median(r["samples"][key]) for r in self.raw["per_rank"] if key in r["samples"])
 
     def mean_median(self, key: str) -> float:
         """Mean over ranks of each rank's median (CPU times: each rank bills its own)."""
@@ -130,14 +126,12 @@ class Launch:
         return total if codec == "none" else total - self.mean_median(f"cpu-hvd/comm-{codec}")
 
     def idle_cpu(self, seconds: float, codec: str) -> float:
-        """CPU seconds the threads ``reduction_cpu`` bills burn over ``seconds`` with nothing to do
-        (from an idle segment timed beside the collectives)."""
+        """CPU seconds the threads ``reduction_cpu`` bills burn idle over ``seconds`` (an idle segment)."""
         busy = self.mean_median("cpu/idle") - (0.0 if codec == "none" else self.mean_median("cpu-hvd/idle"))
         return busy / self.median("idle") * seconds
 
     def extra_cpu(self, codec: str) -> float:
-        """CPU one all-reduce adds to a rank beyond its threads' idle background (which training
-        already holds inside the compute time)."""
+        """CPU one all-reduce adds beyond the idle background (which the compute time already holds)."""
         return max(0.0, self.reduction_cpu(codec) - self.idle_cpu(self.comm(codec), codec))
 
     def horovod_hidden(self) -> float:
@@ -146,8 +140,7 @@ class Launch:
 
     @property
     def auto(self) -> Optional[Dict[str, Any]]:
-        """What the auto optimizer measured and decided before the rounds (None if it did not run)."""
-        return self.raw.get("auto")
+        return self.raw.get("auto")  # what the auto optimizer measured and chose (None: not run)
 
     def auto_choice(self) -> str:
         """The fixed configuration (a TRAINING key) the auto mode chose."""
@@ -196,7 +189,7 @@ def width1_buckets(layers: int, grad_bytes: int) -> Dict[str, List[float]]:
 
 
 def bucket_overlap(shares: List[float], backward: float, comm: float) -> float:
-    """h of a width-1 step whose buckets hold ``shares`` of the gradient (module docstring)."""
+    """h of a width-1 step whose buckets hold ``shares`` of the gradient (docs/benchmarks.md, *Model*)."""
     return max(0.0, min(1.0 - shares[-1], backward * (1.0 - shares[0]) / comm))
 
 
@@ -228,19 +221,8 @@ class Target:
     measured: str
 
 
-def over_bound(bound: float, step: float) -> bool:
-    """Whether a pipelined update took more than 10% over its bound (the target's margin)."""
-    return bound < step / 1.1
-
-
 def speedup(launch: Launch, key: str) -> float:
     return launch.median("horovod") / launch.median(key)
-
-
-def closest(launches: Sequence[Launch], ratio: float) -> Optional[Launch]:
-    """The 2-host launch whose measured comm/compute is closest to ``ratio`` (log scale)."""
-    two = [la for la in launches if la.hosts == 2]
-    return min(two, key=lambda la: abs(math.log(la.comm("none") / la.compute / ratio)), default=None)
 
 
 def targets(launches: Sequence[Launch], models: Sequence[Model]) -> List[Target]:
@@ -249,7 +231,9 @@ def targets(launches: Sequence[Launch], models: Sequence[Model]) -> List[Target]
     codec's CPU per all-reduce under 20% of compute; width 1 within 3% of Horovod; the timing
     model within 15% of every configuration; auto within 10% of the fastest it could choose."""
     out: List[Target] = []
-    five = closest(launches, 5.0)
+    # the 2-host launch whose measured comm/compute is closest to 5 (log scale)
+    five = min((la for la in launches if la.hosts == 2), key=lambda la: abs(math.log(la.comm("none") / la.compute / 5)),
+               default=None)
     if five is not None:
         for key, need in ((k, n) for k, n in (("w2-int8", 3.5), ("w2-int4", 4.5)) if k in five.configs):
             s = speedup(five, key)
@@ -259,7 +243,7 @@ def targets(launches: Sequence[Launch], models: Sequence[Model]) -> List[Target]
         where = f"{la.hosts} hosts, {la.rate}"
         for key in (k for k in la.configs if k.startswith("w2")):
             out.append(Target(f"{where}: {LABELS[key]} within 10% of its bound",
-                              not over_bound(la.bound(key), la.median(key)), f"bound / step = "
+                              la.bound(key) >= la.median(key) / 1.1, f"bound / step = "
                               f"{la.bound(key) / la.median(key):.0%}"))
         for c in la.codecs:
             x = la.reduction_cpu(c)
@@ -281,3 +265,60 @@ def targets(launches: Sequence[Launch], models: Sequence[Model]) -> List[Target]
                               f"chose {la.auto_choice()}; auto / fastest ({best}) = {ratio:.2f}"))
     return out
 
+
+def hierarchical_model(la: Launch) -> Dict[str, float]:
+    """The hierarchical kind's predicted reduction per row (module docstring)."""
+    local, cross, grad = la.raw["local_size"], la.raw["cross_size"], la.grad_bytes
+    (small, large), on_link = CROSS_BYTES, local * (cross - 1)  # a host's link carries all its ranks' exchanges
+    t_small, t_large = la.pooled(f"cross-a2a/{small}"), la.pooled(f"cross-a2a/{large}")
+    bandwidth, gamma = on_link * (large - small) / max(t_large - t_small, 1e-9), la.pooled("add") / grad
+    between = LinkParams(max(t_small - on_link * small / bandwidth, 0.0) / max(cross - 1, 1), bandwidth, gamma)
+    inside = LinkParams(0.0, (local - 1) * 4 * -(-grad // 4 // local) / la.pooled("local-a2a"), gamma)
+    out = {"horovod": compressed_allreduce_time(la.ranks, grad, between, MODEL_CODECS["none"])}
+    for key in HIERARCHICAL:
+        codec = key.rsplit("-", 1)[1]
+        params = dataclasses.replace(MODEL_CODECS[codec], cost_per_byte=la.pooled(f"codec/{codec}") / grad)
+        timing = hierarchical_allreduce_time if "-hier-" in key else flat_on_nodes_time
+        # bucket after bucket, as the engine's comm thread runs them
+        out[key] = sum(timing(local, cross, 4 * numel, inside, between, params) for numel in la.raw["buckets"])
+    return out
+
+
+def hierarchical_rows(la: Launch) -> List[Dict[str, Any]]:
+    """Per row: step, reduction alone, the model's, both hosts' links' bytes per step, what the
+    reduction alone sent to the other host (all ranks), speed-up."""
+    compute, model, out = la.slowest("compute"), hierarchical_model(la), []
+    for key in ("horovod", *HIERARCHICAL):
+        alone = "comm-none" if key == "horovod" else f"comm-{reduction_of(key)}"
+        out.append({"config": key, "step": la.slowest(key), "compute": compute, "alone": la.slowest(alone),
+                    "model_comm": model[key], "model_step": (compute + model[key] if key == "horovod"
+                                                             else max(compute, model[key])),
+                    "host_bytes": la.total(f"host-bytes/{key}"),
+                    "counted": None if key == "horovod" else la.total(f"payload/{alone}"),
+                    "speedup": la.slowest("horovod") / la.slowest(key)})
+    return out
+
+
+def hierarchical_targets(where: str, aim: Optional[float], rows: List[Dict[str, Any]], local: int) -> List[Target]:
+    """Issue 33's: hierarchical int8's (and int4's) bytes between hosts, counted per collective, at
+    most 1/local of flat's; at comm ~5x compute hierarchical int8 >= 1.5x faster than flat int8; it
+    within 10% of max(compute, its reduction alone); the model within 15% of the hierarchical rows."""
+    at, out = {r["config"]: r for r in rows}, []
+    for codec in ("int8", "int4"):
+        flat, hier = at[f"w2-flat-{codec}"], at[f"w2-hier-{codec}"]
+        counted = hier["counted"] / flat["counted"]
+        out.append(Target(f"{where}: hierarchical {codec}'s bytes between hosts <= 1/{local} of flat's",
+                          counted <= 1 / local, f"{counted:.3f} counted per collective, "
+                          f"{hier['host_bytes'] / flat['host_bytes']:.3f} on the links (kernel)"))
+    h8, f8 = at["w2-hier-int8"], at["w2-flat-int8"]
+    if aim == 5.0:
+        gain = f8["step"] / h8["step"]
+        out.append(Target(f"{where}: hierarchical int8 >= 1.5x faster than flat int8", gain >= 1.5, f"{gain:.2f}x"))
+    bound = max(h8["compute"], h8["alone"])
+    out.append(Target(f"{where}: hierarchical int8 within 10% of max(compute, its all-reduce alone)",
+                      h8["step"] <= 1.1 * bound, f"step / bound = {h8['step'] / bound:.2f}"))
+    for key in ("w2-hier-int8", "w2-hier-int4"):
+        ratio = at[key]["step"] / at[key]["model_step"]
+        out.append(Target(f"{where}: {key} within 15% of the model", abs(ratio - 1) <= 0.15,
+                          f"step / model = {ratio:.2f}"))
+    return out

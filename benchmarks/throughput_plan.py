@@ -1,21 +1,9 @@
 """What `make bench` launches: each launch's link rate from a calibration, and the configurations.
 
-The link rate sets a launch's comm/compute (Horovod's float32 all-reduce alone over compute
-alone). Fixed rates land far from their aim on another CPU (155mbit gave comm/compute 2.18 on a
-slower machine and 5.24 on a faster one), so the driver first measures, on the cluster itself,
-compute alone and the float32 all-reduce alone at two link rates (``FIRST_RATE``, then
-``second_rate``: about where the largest aim lands, so that the fit interpolates), fits
-
-    comm(R) = fixed + wire / (efficiency R),     wire = 2 (N-1)/N  x  gradient bytes x 8
-
-(``wire``: the bits a rank sends in a ring all-reduce; ``fixed``: what does not shrink with the
-rate: latency, copies, the sum; ``efficiency``: the share of the tc rate the all-reduce reaches)
-and solves ``comm(R) = aim x compute`` for R. Two rates, because one cannot split ``fixed`` from
-``efficiency``: scaling one measured all-reduce with the rate (``fixed`` = 0) put the 0.25x launch
-~45% above its aim where ``fixed`` is a third of its all-reduce.
-
-Example: ``plan_rate(fit_comm(2, 12.5e6, [(250e6, 0.52), (2.5e9, 0.07)]), 1.0, 0.2)`` gives
-``("694mbit", 1.0...)``: fixed 20 ms, efficiency 0.8, 100 Mbit on the wire.
+The link rate sets a launch's comm/compute (Horovod's float32 all-reduce alone over compute alone),
+so the driver measures both on the cluster at two rates, fits ``comm(R) = fixed + wire /
+(efficiency R)`` (``wire = 2 (N-1)/N x gradient bytes x 8``) and solves ``comm(R) = aim x compute``
+for R (why two rates: docs/benchmarks.md, *Calibration*).
 """
 from __future__ import annotations
 
@@ -24,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Tuple
 
+from .step_time import select
 from .throughput_analysis import AUTO_CHOICES
 from .throughput_worker import AUTO, TRAINING
 
@@ -122,16 +111,10 @@ def off_aim(measured: float, aim: float) -> Optional[str]:
 
 
 def select_configs(names: Optional[Sequence[str]]) -> Tuple[str, ...]:
-    """The configurations to run, in the worker's order: all of them for None; else ``names``
-    (``TRAINING`` keys or ``auto``, each may be a comma list), plus Horovod's (every speed-up is
-    over it) and, with ``auto``, the configurations it chooses from (``AUTO_CHOICES``: it is
-    judged against them). An unknown name raises, naming the valid ones."""
+    """The configurations to run, in the worker's order: all of them for None; else ``names`` (``TRAINING``
+    keys or ``auto``) and Horovod's and, with ``auto``, those it chooses from (it is judged against them)."""
     valid = (*TRAINING, AUTO)
     if names is None:
         return valid
     names = [n for part in names for n in part.split(",") if n]
-    unknown = [n for n in names if n not in valid]
-    if unknown:
-        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-    wanted = {"horovod", *names, *(AUTO_CHOICES if AUTO in names else ())}
-    return tuple(k for k in valid if k in wanted)
+    return tuple(select(names, valid, AUTO_CHOICES if AUTO in names else ()))

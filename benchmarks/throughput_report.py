@@ -1,12 +1,13 @@
-"""The throughput study's tables and plot, from a record of ``benchmarks/throughput.py``
-(docs/benchmarks.md says how to read them)."""
+"""The emulated-cluster study's tables and plot, from a record of ``benchmarks/throughput.py``
+(docs/benchmarks.md says how to read them): the throughput sections and the hierarchical one."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .report import table
-from .throughput_analysis import LABELS, Launch, Model, Target, codec_of, fit_model, speedup, targets
+from .throughput_analysis import (LABELS, Launch, Model, Target, codec_of, fit_model, hierarchical_rows,
+                                  hierarchical_targets, speedup, targets)
 from .throughput_plan import off_aim
 from .throughput_worker import AUTO, TRAINING
 
@@ -15,10 +16,20 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
 
 
+def header(record: Dict[str, Any], key: str, launches: Sequence[Launch], setup: str) -> str:
+    """The section's first line: when, where, how long, the model, ``setup``, the record."""
+    args = record["args"]
+    cycle = f"HOROVOD_CYCLE_TIME={args['horovod_cycle_ms']:g}" if args.get("horovod_cycle_ms") else "Horovod's default cycle"
+    return (f"{record['machine']}; {record['elapsed_s'] / 60:.1f} min for {len(launches)} launches. {args['layers']} x "
+            f"Linear({args['dim']}, {args['dim']}), {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient; {setup}; "
+            f"{cycle}; {args['rounds']} rounds of {args['steps']} timed steps per configuration. Samples: "
+            f"`build/{key}.json` (`python -m benchmarks.throughput --render build/{key}.json`).")
+
+
 def launch_row(setting: Dict[str, Any], la: Launch, model: Model) -> List[str]:
     ratio = la.comm("none") / la.compute
     aim = "" if setting["target"] is None else f"{setting['target']:g} ({off_aim(ratio, setting['target']) or 'met'})"
-    link = model.link
+    link = model.link  # alpha, bandwidth and gamma as fitted
     return [f"{la.hosts} hosts, {la.rate}, batch {la.batch}", aim, f"{ratio:.2f}",
             f"{ms(la.compute)} ({ms(la.median('forward'))} / {ms(la.median('backward'))} / {ms(la.median('update'))})",
             ms(la.comm("none")), f"{link.alpha * 1e6:.0f} / {link.bandwidth * 8 / 1e9:.2f} / {link.gamma * 1e9:.3f}",
@@ -49,8 +60,9 @@ def codec_rows(la: Launch, model: Model) -> List[List[str]]:
              f"{model.interference[c]:.2f}", f"{wire[c]:.3f}" if c in wire else ""] for c in ("none", *la.codecs)]
 
 
-def target_rows(found: Sequence[Target]) -> List[List[str]]:
-    return [[t.name, "met" if t.met else "**missed**", t.measured] for t in found]
+def targets_table(found: Sequence[Target]) -> List[str]:
+    return ["### Targets", "", f"{sum(t.met for t in found)} of {len(found)} targets met.", "",
+            table(["target", "result", "measured"], [[t.name, "met" if t.met else "**missed**", t.measured] for t in found])]
 
 
 def render(record: Dict[str, Any], image: Optional[Path]) -> str:
@@ -66,15 +78,10 @@ def render(record: Dict[str, Any], image: Optional[Path]) -> str:
     found = aims + targets(launches, models)
     if image is not None:
         plot(launches, models, image)
-    cycle = f"HOROVOD_CYCLE_TIME={args['horovod_cycle_ms']:g}" if args.get("horovod_cycle_ms") else "Horovod's default cycle"
     title = "Throughput with compute off the cores" if offloaded else "Throughput on the emulated cluster"
     lines = [f"## {title} (`benchmarks/throughput.py{' --offload-compute' if offloaded else ''}`, `make bench`)", "",
-             f"{record['machine']}; {record['elapsed_s'] / 60:.1f} min for {len(launches)} launches; load average "
-             f"before {record['load_before'][0]:.2f}, after {record['load_after'][0]:.2f}. {args['layers']} x "
-             f"Linear({args['dim']}, {args['dim']}), {launches[0].grad_bytes / 1e6:.1f} MB of float32 gradient, "
-             f"{args['controller']} controller, {cycle}, {args['rounds']} rounds of {args['steps']} timed updates "
-             f"per configuration. Samples: `build/{key}.json` (`python -m benchmarks.throughput --render "
-             f"build/{key}.json`)."]
+             header(record, key, launches, f"load average before {record['load_before'][0]:.2f}, after "
+                                           f"{record['load_after'][0]:.2f}; {args['controller']} controller")]
     cal = record.get("calibration")
     if cal:
         fixed, efficiency = cal["fit"]["fixed"], cal["fit"]["efficiency"]
@@ -97,9 +104,7 @@ def render(record: Dict[str, Any], image: Optional[Path]) -> str:
                   table(["codec", "all-reduce alone ms", "its CPU ms (all threads)", "of which Horovod's ms",
                          "beyond idle ms", "model all-reduce ms", "cost beyond the wire ns/B", "interference f",
                          "wire bytes vs fp32"], codec_rows(la, model))]
-    lines += ["", f"![speed-up over Horovod](img/{key}.png)", "", "### Targets", "",
-              f"{sum(t.met for t in found)} of {len(found)} targets met.", "",
-              table(["target", "result", "measured"], target_rows(found))]
+    lines += ["", f"![speed-up over Horovod](img/{key}.png)", "", *targets_table(found)]
     return "\n".join(lines) + "\n"
 
 
@@ -131,3 +136,25 @@ def plot(launches: Sequence[Launch], models: Sequence[Model], path: Path) -> Non
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def render_hierarchical(record: Dict[str, Any], image: Optional[Path] = None) -> str:
+    """The hierarchical kind's section from a record (no plot: ``image`` is not drawn)."""
+    args, body, found = record["args"], [], []
+    launches = [Launch(**la) for la in record["launches"]]
+    for setting, la in zip(record["settings"], launches):
+        aim, measured = setting["target"], la.slowest("comm-none") / la.slowest("compute")
+        where = f"{la.rate} ({'' if aim is None else f'aim {aim:g}x, '}measured {measured:.2f}x)"
+        rows = hierarchical_rows(la)
+        found += hierarchical_targets(where, aim, rows, la.raw["local_size"])
+        body += [[where, r["config"], ms(r["step"]), ms(r["model_step"]), ms(r["alone"]), ms(r["model_comm"]),
+                  f"{r['host_bytes'] / 1e6:.2f}", "" if r["counted"] is None else f"{r['counted'] / 1e6:.2f}",
+                  f"{r['speedup']:.2f}x"] for r in rows]
+    return "\n".join([
+        "## Hierarchical compression on the emulated cluster (`benchmarks/throughput.py --hierarchical`, "
+        "`make bench`)", "",
+        header(record, "hierarchical", launches, f"2 hosts x 2 ranks (horovodrun --gloo); compute off the cores, "
+                                                 f"forward / backward {' / '.join(map(ms, args['device_times']))} ms"), "",
+        table(["link (Horovod comm / compute)", "configuration", "step ms", "model step ms", "reduction alone ms",
+               "model reduction ms", "cross-host MB / step (links)", "cross-host MB / reduction (counted)",
+               "vs Horovod"], body), "", *targets_table(found)]) + "\n"

@@ -1,21 +1,7 @@
-"""One rank of the throughput benchmark (``benchmarks/throughput.py`` starts it on every host).
-
-Everything compared is measured in this one launch, interleaved in rounds, so that the load of
-the shared machine hits all configurations alike. Per round:
-
-* training segments, one per configuration (compute only, Horovod's ``DistributedOptimizer``,
-  pipesgd width 1 / 2 / 2 + codec / 2 + split_batch + codec), and the engine-free width-2 loops:
-  one untimed update (refills a flushed pipeline), ``steps`` timed updates, ``flush()``; each
-  rank's CPU per thread is read around the segment. A split_batch update is two calls of half the
-  batch (ACCO's unit: the samples of one update of the others);
-* the collectives alone, with the CPU each costs the rank: Horovod's float32 all-reduce of the
-  gradient, of a quarter of it and a small one (the link fit), our compressed all-reduce per codec
-  on a pipeline channel (the transport pipesgd uses under Horovod), an idle 0.25 s;
-* a float32 add of the gradient (the reduction cost gamma).
-
-With ``--offload-compute`` the forward and backward passes are waits of their measured times
-(``benchmarks/offloaded_compute.py``). Rank 0 prints one JSON line (``MARKER``) with every
-rank's samples.
+"""One rank of the emulated-cluster study: ``benchmarks/throughput.py`` starts it on every rank with
+its settings in a JSON file; rank 0 prints one JSON line (``MARKER``) with every rank's samples.
+Everything compared runs in this one launch, interleaved in rounds, so that the load of the shared
+machine hits all alike: per round a segment per configuration, then the collectives alone.
 """
 from __future__ import annotations
 
@@ -23,40 +9,58 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
-import math
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
+from .step_time import CODECS, build, calls_per_update
 from .thread_cpu import ThreadClock, ThreadGroupClock, machine_busy, native_thread_ids
 
 if TYPE_CHECKING:
     from .offloaded_compute import OffloadedCompute
 
 MARKER = "THROUGHPUT_RESULT "
-CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
-# "w1-layer": width 1 with buckets capped at one layer, as Horovod's per-tensor reductions: the
-# control for the default fusion plan (buckets that close early, pipesgd_hvd/pipeline/fusion.py).
-# "w2-split-<codec>": staleness_correction="split_batch" (its all-reduce runs twice per update).
+# "w1-layer" (buckets capped at one layer, as Horovod's per-tensor reductions) is the control for the
+# default fusion plan; names: step_time.options.
 TRAINING = ("horovod", "w1", "w1-layer", "w2", *(f"w2-{c}" for c in CODECS), "w2-split-int8", "w2-split-int4")
-# "loop-<codec>": the pipelined schedule without the engine: compute step t, start its all-reduce,
-# wait for step t-1's (on a comm thread for the byte codecs, as the engine does). What this
-# machine allows a width-2 pipeline; the engine's own overhead is the difference.
+# The hierarchical kind's rows (2 ranks per host): width 2, flat and hierarchical reductions.
+HIERARCHICAL = tuple(f"w2-{form}-{c}" for c in ("int8", "int4") for form in ("flat", "hier"))
+# "loop-<codec>": the width-2 schedule without the engine (compute step t, start its all-reduce, wait
+# for step t-1's): what this machine allows; the engine's own overhead is the difference.
 LOOPS = tuple(f"loop-{c}" for c in ("none", *CODECS))
-# "auto": width="auto", compression="auto", timed in the configuration it chose before the rounds
-# (its decision is part of the result); compared with the fixed rows it could have chosen.
-AUTO = "auto"
-IDLE_S = 0.25  # the idle segment timed beside the collectives
-SEGMENTS = ("compute", *TRAINING, AUTO, *LOOPS)
+AUTO = "auto"  # width and compression "auto", timed in what it chose before the rounds
+CROSS_BYTES = (4096, 1 << 21)  # the alltoalls across hosts (hierarchical kind): latency, then bandwidth
+SEGMENTS = ("compute", *TRAINING, *HIERARCHICAL, AUTO, *LOOPS)
+
+
+def reduction_of(key: str) -> str:
+    """The reduction a width-2 row runs, as timed alone: its codec, ``hier-<codec>`` if hierarchical."""
+    return ("hier-" if "-hier-" in key else "") + key.rsplit("-", 1)[1]
+
+
+def eth0_tx() -> int:
+    """Bytes this host's link has sent (the kernel's counter, read in the host's namespace)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            if line.strip().startswith("eth0:"):
+                return int(line.split(":", 1)[1].split()[8])
+    raise RuntimeError("no eth0: not on the emulated cluster")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` took."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
-    """Values per bucket, in launch order, of pipesgd's fusion plan (``pipesgd_hvd.pipeline.fusion``) for
-    the benchmark's model, ``layers`` x Linear(dim, dim) in float32, whose gradients are ready
-    last layer first."""
+    """Values per bucket, in launch order, of pipesgd's fusion plan for ``layers`` x Linear(dim, dim)
+    in float32, whose gradients are ready last layer first."""
     specs = [spec for i in range(layers) for spec in (TensorSpec(f"{i}.weight", (dim, dim), "float32"),
                                                        TensorSpec(f"{i}.bias", (dim,), "float32"))]
     layout = plan_buckets(specs, list(range(len(specs)))[::-1], threshold)
@@ -64,9 +68,8 @@ def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
 
 
 def segments_for(configs: Sequence[str], quick: bool = False) -> Tuple[str, ...]:
-    """The segments of a launch that runs ``configs`` (TRAINING keys and ``auto``): compute alone
-    always, and each plain width-2 row's engine-free loop unless ``quick`` (the calibration:
-    compute and the float32 all-reduce, little else)."""
+    """A launch's segments: compute alone, ``configs``, and each plain width-2 row's engine-free loop
+    unless ``quick`` (the calibration: compute and the float32 all-reduce)."""
     loops = () if quick else tuple(f"loop-{k[3:] or 'none'}" for k in configs
                                    if k.startswith("w2") and not k.startswith("w2-split"))
     return tuple(k for k in SEGMENTS if k == "compute" or k in configs or k in loops)
@@ -81,10 +84,11 @@ class RankBench:
 
         from pipesgd_hvd.comm.horovod_torch import HorovodTorchCommunicator
         from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
+        from pipesgd_hvd.comm.topology import resolve_topology
         from pipesgd_hvd.compression import resolve_compression
+        from pipesgd_hvd.compression.allreduce import padded_numel
 
-        # Horovod's threads (its background loop and its Gloo context's), told apart from the
-        # pipeline's: the threads born while it starts and runs its first op
+        # Horovod's threads (its loop's, its Gloo context's): those born while it starts and runs an op
         before = native_thread_ids()
         hvd.init()
         hvd.allreduce(torch.zeros(1), name=self.horovod_name("barrier"))
@@ -93,94 +97,64 @@ class RankBench:
         torch.manual_seed(hvd.rank())
         self.args, self.hvd, self.torch = args, hvd, torch
         self.x = torch.randn(args.batch, args.dim)
-        self.segments = segments_for(args.configs.split(",") if args.configs else (), args.quick)
-        self.configs = tuple(k for k in TRAINING if k in self.segments)
-        # the compressed all-reduces timed alone: those of the codecs this launch trains with
-        self.timed_codecs = tuple(dict.fromkeys(k.rsplit("-", 1)[1] for k in self.configs if k.startswith("w2-")))
-        self.runs = {key: self._make(key) for key in ("compute", *TRAINING, AUTO)
-                     if key in self.segments or key == "compute"}
+        self.segments = segments_for(args.configs, args.quick)
+        self.configs = tuple(k for k in (*TRAINING, *HIERARCHICAL) if k in self.segments)
+        # the compressed all-reduces timed alone: those this launch's width-2 rows run
+        self.reductions = tuple(dict.fromkeys(reduction_of(k) for k in self.configs if k.startswith("w2-")))
+        self.runs = {key: build(key, args, hvd) for key in self.segments if not key.startswith("loop-")}
         self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
         self.flat = torch.randn(self.numel)
-        # A width-2 optimizer reduces the gradient as these buckets (default threshold), one
-        # after another on its comm thread: the compressed all-reduces below do the same.
+        # a width-2 optimizer reduces these buckets one after another on its comm thread: so do we
         self.buckets = fusion_buckets(args.layers, args.dim, DEFAULT_FUSION_THRESHOLD)
         # Horovod's float32 all-reduce is what its own optimizer runs; the compressed all-reduces and
         # the engine-free loops run on a pipeline channel, the transport the training rows use.
         self.comm = HorovodTorchCommunicator()
         self.channel = PipelineChannel.from_horovod(name="bench.channel")
+        # several ranks per host: the node groups of the hierarchical reductions timed alone
+        self.topology = resolve_topology(True, self.channel, name="bench.topology") if hvd.local_size() > 1 else None
+        self.host_of = self.channel.allgather_object(hvd.cross_rank(), "bench.hosts")
         self.codecs = {c: resolve_compression(c) for c in CODECS}
+        # the buckets as the engine holds them: each in a buffer with room for its codec's padded rows,
+        # zero past the bucket (the reductions only read them)
+        self.buffers = {c: [torch.nn.functional.pad(part, (0, padded_numel(self.codecs[c], len(part), hvd.size())
+                                                           - len(part))) for part in self.flat.split(self.buckets)]
+                        for c in dict.fromkeys(r.rsplit("-", 1)[-1] for r in self.reductions)}
         self.clock = ThreadClock()
         self.samples: Dict[str, List[float]] = {}
         self._calls = 0
-        self._bucket_buffers: Dict[str, List[Any]] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-comm")
         self.offloaded: Optional["OffloadedCompute"] = None
         if args.offload_compute:
             self.offloaded = self.offload_compute()
 
     # ------------------------------------------------------------------------------ plumbing
-    def _make(self, key: str) -> Tuple[Any, Any]:
-        import pipesgd_hvd.torch as psgd
-
-        torch, args = self.torch, self.args
-        torch.manual_seed(1)
-        model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
-        inner = torch.optim.SGD(model.parameters(), lr=1e-6)
-        if key == "compute":
-            return model, inner
-        if key == "horovod":
-            return model, self.hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-        if key == AUTO:  # decides once, before the rounds (decide_auto); no re-check while timed
-            return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width="auto",
-                                                    compression="auto", auto_measure_steps=args.auto_measure_steps,
-                                                    auto_recheck_every=0)
-        width, _, codec = key[1:].partition("-")
-        extra: Dict[str, Any] = {}
-        if codec.startswith("split-"):
-            extra["staleness_correction"], codec = "split_batch", codec[len("split-"):]
-        if codec == "layer":
-            extra["fusion_threshold_mb"] = (args.dim * args.dim + args.dim) * 4 / 2**20
-        codec = "none" if codec in ("", "layer") else codec
-        return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width=int(width),
-                                                compression=getattr(psgd.Compression, codec), **extra)
-
     def record(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
 
     def uid(self, tag: str) -> str:
-        """A fresh label for the pipeline channel's collectives (it matches them by issue order;
-        a label only names them in errors). Only the main thread draws, so labels agree across ranks."""
+        """A label for the channel's collectives (matched by issue order; only the main thread draws)."""
         self._calls += 1
         return f"bench.{tag}.{self._calls}"
 
     @staticmethod
     def horovod_name(tag: str) -> str:
-        """A Horovod op's name: the same every time for one role, as a training job's are. Fresh names
-        each take an entry of Horovod's response cache, which its background loop works through every
-        cycle: after 3000 of them that thread took 26-71 ms CPU per step against 11-27 ms with none
-        (2 emulated hosts, 142mbit). Reuse is safe: each op is waited for before the next of its name."""
+        """A Horovod op's name, the same for one role, as a training job's: fresh names fill Horovod's
+        response cache, which its loop walks every cycle (3000 of them: 26-71 ms CPU per step, not 11-27)."""
         return f"bench.{tag}"
 
     def progress(self, line: str) -> None:
-        """Rank 0 appends ``line`` to the driver's progress file (``--progress``), which the driver
-        echoes while the launch runs: a launch takes minutes, its stdout comes back only at the end."""
+        """Rank 0 appends ``line`` to the driver's stderr (``progress``); best effort: a stderr that
+        cannot be opened by path (a socket) only loses these lines."""
         if self.args.progress and self.hvd.rank() == 0:
-            with open(self.args.progress, "a") as f:
-                f.write(line + "\n")
+            with contextlib.suppress(OSError), open(self.args.progress, "a") as f:
+                f.write(f"    {line}\n")
 
     def barrier(self) -> None:
         self.hvd.allreduce(self.torch.zeros(1), name=self.horovod_name("barrier"))
 
-    @staticmethod
-    def timed(fn: Callable[[], Any]) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
     @contextlib.contextmanager
     def billed(self, key: str) -> Iterator[None]:
-        """CPU per step of a segment: this rank's threads, and the whole machine (which also holds
-        the kernel's network work and other jobs)."""
+        """CPU per step of a segment: this rank's threads, and the machine's (network work, other jobs)."""
         cpu0, busy0, hvd0 = self.clock.read(), machine_busy()[0], self.horovod_clock.read()
         yield
         cpu1, busy1, hvd1 = self.clock.read(), machine_busy()[0], self.horovod_clock.read()
@@ -191,10 +165,9 @@ class RankBench:
 
     # ------------------------------------------------------------------------------ training
     def offload_compute(self) -> "OffloadedCompute":
-        """``--offload-compute``: from here on, in every segment, waits stand in for the forward
-        and backward passes (``benchmarks/offloaded_compute.py``), as long as ``--device-times``
-        says, or else as the real passes took here (median of 5 steps after one, the slowest
-        rank's). Records the waits as ``device-forward`` and ``device-backward``."""
+        """From here on waits stand in for the forward and backward passes (``offloaded_compute.py``),
+        ``device_times`` long, or as the real passes took here (median of 5 steps after one, the
+        slowest rank's); recorded as ``device-forward`` and ``device-backward``."""
         from .offloaded_compute import OffloadedCompute
 
         model, opt = self.runs["compute"]
@@ -212,8 +185,8 @@ class RankBench:
         return OffloadedCompute(list(model), forward_s=times[0], backward_s=times[1])
 
     def step(self, model: Any, opt: Any, split: bool = False, calls: int = 1) -> None:
-        """One update: one call on the batch, or ``calls`` calls on as many parts of it (split_batch);
-        ``split`` records the forward, backward and update times of a one-call update."""
+        """One update, in ``calls`` calls on as many parts of the batch (split_batch: 2); ``split``
+        records a one-call update's forward, backward and update times."""
         for x in self.x.chunk(calls):
             opt.zero_grad()
             t0 = time.perf_counter()
@@ -235,14 +208,16 @@ class RankBench:
         if key.startswith("loop-"):
             return self.loop(key, key[len("loop-"):])
         model, opt = self.runs[key]
-        calls = 2 if key.startswith("w2-split-") else 1
+        calls, sent = calls_per_update(key), eth0_tx()
         self.step(model, opt, calls=calls)  # untimed: refills the pipeline flushed at the last segment's end
         with self.billed(key):
             for _ in range(self.args.steps):
-                self.record(key, self.timed(lambda: self.step(model, opt, split=key == "compute", calls=calls)))
+                self.record(key, timed(lambda: self.step(model, opt, split=key == "compute", calls=calls)))
         if hasattr(opt, "flush"):
             opt.flush()  # nothing of this configuration stays on the wire during the next one
         self.barrier()
+        if self.hvd.local_rank() == 0:  # all ranks of the host, over steps + 1 reductions
+            self.record(f"host-bytes/{key}", (eth0_tx() - sent) / (self.args.steps + 1))
 
     def loop(self, key: str, codec: str) -> None:
         """The pipelined schedule without the engine: step t computes while step t-1's all-reduce
@@ -263,74 +238,98 @@ class RankBench:
         self.barrier()
 
     # --------------------------------------------------------------------------- collectives
-    def compressed(self, codec: str, name: str) -> None:
-        """Our compressed all-reduce of the gradient as the engine runs it: bucket by bucket of the
-        fusion plan, each in a buffer with the room the engine gives it. One call on the whole
-        gradient missed a fixed cost per bucket and each transfer's burst on the shaped links (at
-        130mbit the pipelined fp16 step was 546 ms against 647 ms for the one-call all-reduce)."""
+    def compressed(self, reduction: str, name: str) -> int:
+        """``reduction`` (``reduction_of`` a row) of the gradient as the engine runs it: bucket by bucket,
+        each in a buffer with the engine's room (one call on the whole gradient missed a fixed cost per
+        bucket and each transfer's burst on the shaped links: at 130mbit the pipelined fp16 step was 546
+        ms against 647 ms). Returns the bytes this rank sent to other hosts, counted per collective."""
+        from pipesgd_hvd.comm.counting import CountingComm
+        from pipesgd_hvd.comm.topology import Topology
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
+        from pipesgd_hvd.compression.hierarchical import hierarchical_allreduce
         from pipesgd_hvd.ops.torch import TORCH_OPS
 
-        for i, (numel, buffer) in enumerate(zip(self.buckets, self.bucket_buffers(codec))):
-            compressed_allreduce(TORCH_OPS, self.channel, self.codecs[codec], buffer, numel=numel,
-                                 name=f"{name}.b{i}", key=f"{name.split('.')[1]}/b{i}", seed=0)
-
-    def bucket_buffers(self, codec: str) -> List[Any]:
-        """The gradient's buckets for ``codec``, as the engine holds them: each in a buffer of
-        ``padded_numel`` values, zero past the bucket's (built once; the reductions only read them)."""
-        from pipesgd_hvd.compression.allreduce import padded_numel
-
-        if codec not in self._bucket_buffers:
-            buffers, offset = [], 0
-            for numel in self.buckets:
-                buffer = self.torch.zeros(padded_numel(self.codecs[codec], numel, self.hvd.size()))
-                buffer[:numel] = self.flat[offset: offset + numel]
-                buffers.append(buffer)
-                offset += numel
-            self._bucket_buffers[codec] = buffers
-        return self._bucket_buffers[codec]
+        codec = reduction.rsplit("-", 1)[-1]
+        if reduction.startswith("hier-"):  # a cross-node group holds one rank per host: all it sends leaves
+            counted = CountingComm(self.topology.cross, lambda peer: peer)
+            comm, reduce = Topology(self.topology.layout, self.topology.local, counted), hierarchical_allreduce
+        else:
+            counted = comm = CountingComm(self.channel, self.host_of.__getitem__)
+            reduce = compressed_allreduce
+        for i, (numel, buffer) in enumerate(zip(self.buckets, self.buffers[codec])):
+            reduce(TORCH_OPS, comm, self.codecs[codec], buffer, numel=numel, name=f"{name}.b{i}",
+                   key=f"{reduction}/b{i}", seed=0)
+        return counted.cross_bytes
 
     def start(self, codec: str, values: Any) -> Callable[[], Any]:
         """Starts one all-reduce the way the engine does; returns its wait. ``values``: the float32
-        all-reduce's buffer (a byte codec reduces the gradient's buckets, ``bucket_buffers``)."""
+        all-reduce's buffer (a byte codec reduces ``buffers``)."""
         from pipesgd_hvd.comm.base import ReduceOp
 
         if codec == "none":
             return self.channel.allreduce_async_(values, self.uid("loop"), ReduceOp.AVERAGE).wait
-        name = self.uid(codec)
-        return self.pool.submit(self.compressed, codec, name).result
+        return self.pool.submit(self.compressed, codec, self.uid(codec)).result
 
     def collectives(self) -> Dict[str, Callable[[], Any]]:
-        """The collectives timed alone: float32 all-reduces of three sizes (through the
-        communicator, which waits as the engine does: a sleeping poll, where Horovod's own
-        synchronize() spins and would bill its spin as communication CPU) and our compressed
-        all-reduce per codec (bucket by bucket, as the engine runs it)."""
+        """The collectives timed alone: float32 all-reduces of three sizes (through the communicator,
+        which waits as the engine does, in a sleeping poll: Horovod's synchronize() spins and would
+        bill its spin as communication CPU) and the compressed all-reduce of each width-2 row."""
         from pipesgd_hvd.comm.base import ReduceOp
-
-        comm, uid = self.comm, self.uid
 
         def float32(values: Any, tag: str) -> Callable[[], Any]:
             # in place on a buffer of its own: repeated averaging changes the values, not the time
-            return lambda: comm.allreduce_async_(values, self.horovod_name(tag), ReduceOp.AVERAGE).wait()
+            return lambda: self.comm.allreduce_async_(values, self.horovod_name(tag), ReduceOp.AVERAGE).wait()
 
-        def compressed(codec: str) -> Callable[[], Any]:
-            return lambda: self.compressed(codec, uid(codec))
+        def compressed(reduction: str) -> Callable[[], Any]:
+            return lambda: self.compressed(reduction, self.uid(reduction))
 
         return {"comm-none": float32(self.flat.clone(), "ar"),
                 "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
                 "ar-small": float32(self.torch.zeros(256), "ars"),
                 # nothing: what the rank's threads burn with nothing to do (Horovod's background
                 # loop wakes every cycle); the model leaves it out of a collective's CPU
-                "idle": lambda: time.sleep(IDLE_S),
-                **{f"comm-{c}": compressed(c) for c in self.timed_codecs}}
+                "idle": lambda: time.sleep(0.25),
+                **{f"comm-{r}": compressed(r) for r in self.reductions}}
 
     def alone(self, key: str, fn: Callable[[], Any]) -> None:
-        """A collective alone: its time, and the CPU it costs this rank (all threads), which it
-        would take from compute on a shared core, and the share of it that Horovod's threads took."""
-        cpu0, hvd0 = sum(self.clock.read()), self.horovod_clock.read()
-        self.record(key, self.timed(fn))
+        """A collective alone: its time, the CPU it costs this rank (all threads; Horovod's apart), a
+        compressed one's bytes to other hosts. With several ranks per host, after an untimed one: TCP
+        past its slow start, as in training (the host restarts it after an idle second)."""
+        if self.topology is not None:
+            self.barrier()
+            fn()
+            self.barrier()
+        cpu0, hvd0, start = sum(self.clock.read()), self.horovod_clock.read(), time.perf_counter()
+        sent = fn()
+        self.record(key, time.perf_counter() - start)
         self.record(f"cpu/{key}", sum(self.clock.read()) - cpu0)
         self.record(f"cpu-hvd/{key}", self.horovod_clock.read() - hvd0)
+        if isinstance(sent, int):
+            self.record(f"payload/{key}", sent)
+
+    def link_samples(self) -> None:
+        """What the hierarchical model needs, every rank at once, each after an untimed run: alltoalls
+        of ``CROSS_BYTES`` on the cross-node groups (all at once, as the hierarchical stage runs them),
+        one of the gradient's shards on the node group, each codec's encode + decode of the gradient."""
+        from pipesgd_hvd.compression.allreduce import padded_numel
+        from pipesgd_hvd.ops.torch import TORCH_OPS
+
+        torch, topo, size = self.torch, self.topology, self.hvd.size()
+        for nbytes in CROSS_BYTES:
+            rows = torch.zeros(topo.cross.size, nbytes, dtype=torch.uint8)
+            self.sampled(f"cross-a2a/{nbytes}", lambda: topo.cross.alltoall_async(rows, self.uid("xa2a")).wait())
+        shards = torch.zeros(topo.local.size, -(-self.numel // topo.local.size))
+        self.sampled("local-a2a", lambda: topo.local.alltoall_async(shards, self.uid("la2a")).wait())
+        for c in self.buffers:
+            codec, rows = self.codecs[c], torch.zeros(padded_numel(self.codecs[c], self.numel, size)).view(size, -1)
+            self.sampled(f"codec/{c}", lambda: codec.decode(TORCH_OPS, *codec.encode(TORCH_OPS, rows, key="k", seed=0)))
+
+    def sampled(self, key: str, fn: Callable[[], Any], reps: int = 3) -> None:
+        for _ in range(reps):
+            self.barrier()
+            fn()  # untimed: a fresh output's pages, a connection past slow start
+            self.barrier()
+            self.record(key, timed(fn))
 
     def decide_auto(self) -> Dict[str, Any]:
         """Runs the auto optimizer until it has decided (untimed); returns what it measured and chose."""
@@ -351,7 +350,7 @@ class RankBench:
     def run(self) -> None:
         args, hvd, segments = self.args, self.hvd, self.segments
         collectives = self.collectives()
-        if args.quick:
+        if args.quick:  # the calibration: the float32 all-reduce
             collectives = {"comm-none": collectives["comm-none"]}
         summand, acc = self.torch.randn(self.numel), self.torch.zeros(self.numel)
         launched = time.perf_counter()
@@ -367,59 +366,33 @@ class RankBench:
             for _ in range(args.comm_reps):
                 for key, fn in collectives.items():
                     self.alone(key, fn)
-                self.record("add", self.timed(lambda: acc.add_(summand)))  # gamma: one float32 add
+                self.record("add", timed(lambda: acc.add_(summand)))  # gamma: one float32 add
+            if self.topology is not None:
+                self.link_samples()
             self.barrier()
             elapsed = time.perf_counter() - launched
             self.progress(f"round {r + 1}/{args.rounds} done, {elapsed:.0f} s in; rounds left ~"
                           f"{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s")
         busy1, our1 = machine_busy(), sum(self.clock.read())
         self.pool.shutdown()
+        if self.topology is not None:
+            self.topology.close()
         self.channel.close()
         mine = {"samples": self.samples, "our_cpu_s": our1 - our0, "machine_busy_s": busy1[0] - busy0[0],
                 "machine_total_s": busy1[1] - busy0[1]}
         everyone = hvd.allgather_object(mine, name="bench.result")
         if hvd.rank() == 0:
-            wire = {key: self.runs[key][1].stats.ratio for key in (*TRAINING, AUTO)
-                    if key != "horovod" and key in self.runs}
-            result = {"ranks": hvd.size(), "grad_bytes": self.numel * 4, "layers": args.layers, "configs": self.configs,
-                      "per_rank": everyone, "wire_ratio": wire,
+            wire = {key: opt.stats.ratio for key, (_, opt) in self.runs.items() if key not in ("compute", "horovod")}
+            result = {"ranks": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size(),
+                      "grad_bytes": self.numel * 4, "layers": args.layers, "buckets": self.buckets,
+                      "configs": self.configs, "per_rank": everyone, "wire_ratio": wire,
                       "auto": auto, "offloaded": self.offloaded is not None}
-            sys.stdout.write(MARKER + json.dumps(result) + "\n")
-            sys.stdout.flush()
-
-
-def device_times(text: str) -> List[float]:
-    """``--device-times``: "FORWARD,BACKWARD" in seconds, each finite and >= 0."""
-    try:
-        times = [float(t) for t in text.split(",")]
-    except ValueError:
-        times = []
-    if len(times) != 2 or not all(math.isfinite(t) and t >= 0 for t in times):
-        raise argparse.ArgumentTypeError(f"not FORWARD,BACKWARD in seconds (each >= 0): {text!r}")
-    return times
+            print(MARKER + json.dumps(result), flush=True)
 
 
 def main(argv: List[str]) -> None:
-    parser = argparse.ArgumentParser(description="one rank of benchmarks/throughput.py")
-    parser.add_argument("--rounds", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--comm-reps", type=int, required=True)
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--dim", type=int, required=True)
-    parser.add_argument("--layers", type=int, required=True)
-    parser.add_argument("--auto-measure-steps", type=int, default=5, help="the auto optimizer's measuring steps")
-    parser.add_argument("--configs", default=",".join((*TRAINING, AUTO)),
-                        help="comma list of the configurations to run (TRAINING keys and auto; '' for compute only)")
-    parser.add_argument("--quick", action="store_true", help="no loops, collectives: the float32 all-reduce only")
-    parser.add_argument("--progress", default="", help="file rank 0 appends a line to after each round")
-    parser.add_argument("--offload-compute", action="store_true",
-                        help="forward and backward as waits of their measured times (benchmarks/offloaded_compute.py)")
-    parser.add_argument("--device-times", type=device_times, default=None, metavar="FORWARD,BACKWARD",
-                        help="with --offload-compute: the waits, in seconds, instead of timing the real passes here")
-    args = parser.parse_args(argv)
-    if args.device_times is not None and not args.offload_compute:
-        parser.error("--device-times sets the waits of --offload-compute: pass both, or neither")
-    RankBench(args).run()
+    """``argv``: the JSON file of settings the driver wrote (``benchmarks/throughput.py``, ``run_launch``)."""
+    RankBench(argparse.Namespace(**json.loads(Path(argv[0]).read_text()))).run()
 
 
 if __name__ == "__main__":

@@ -86,10 +86,9 @@ def speedup(compute: float, sync_comm: float, comm: Optional[float] = None, *, w
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted per-iteration seconds. ``sync``: uncompressed synchronous all-reduce (the
-    baseline); ``ps``: a synchronous parameter server; ``comm[codec]``: one all-reduce;
-    ``iteration[(codec, width)]`` and ``speedup[(codec, width)]`` over ``sync``. With
-    ``iterations`` set, the pipeline fill is spread over them."""
+    """Predicted seconds per iteration: ``sync`` (uncompressed, the baseline), ``ps`` (a parameter
+    server), ``iteration[(codec, width)]`` (the fill spread over ``iterations`` if set) and its
+    ``speedup`` over ``sync``; ``comm[codec]``: one all-reduce."""
 
     sync: float
     ps: float
@@ -113,6 +112,7 @@ def predict(n: int, nbytes: float, link: LinkParams, compute: float, *, widths: 
     if iterations is not None and iterations < 1:
         raise ValueError(f"iterations must be >= 1 (or None for steady state), got {iterations}")
     sync_comm = ring_allreduce_time(n, nbytes, link)
+    sync = sync_iteration_time(compute, sync_comm, overlap)
     comm: Dict[str, float] = {}
     iteration: Dict[Tuple[str, int], float] = {}
     gain: Dict[Tuple[str, int], float] = {}
@@ -124,9 +124,8 @@ def predict(n: int, nbytes: float, link: LinkParams, compute: float, *, widths: 
         else:
             iteration[(codec.name, width)] = total_time(iterations, compute, c, width=width, overlap=overlap,
                                                         interference=interference) / iterations
-        gain[(codec.name, width)] = speedup(compute, sync_comm, c, width=width, iterations=iterations,
-                                            overlap=overlap, interference=interference)
-    return Prediction(sync=sync_iteration_time(compute, sync_comm, overlap),
+        gain[(codec.name, width)] = sync / iteration[(codec.name, width)]  # = speedup(), fill spread alike
+    return Prediction(sync=sync,
                       ps=ps_iteration_time(n, nbytes, link, compute), comm=comm, iteration=iteration, speedup=gain)
 
 
@@ -194,15 +193,6 @@ def fit_link(samples: Iterable[Sequence], *, gamma: Optional[float] = None) -> L
     inv_b = x[1]
     return LinkParams(alpha=float(x[0]), bandwidth=math.inf if inv_b <= 0 else float(1.0 / inv_b),
                       gamma=float(x[2]) if gamma is None else gamma)
-
-
-def fit_codec(samples: Iterable[Sequence[float]]) -> float:
-    """Codec cost in s per float32 byte from ``(nbytes, seconds)`` samples of one encode + one
-    decode of ``nbytes``: the slope of ``seconds = overhead + c nbytes`` (non-negative, relative
-    error; the fixed per-call overhead is dropped, the model has no term for it)."""
-    pairs = [(float(m), float(t)) for m, t in samples]
-    return float(_fit([[1.0, m] for m, _ in pairs], [t for _, t in pairs], "fit_codec",
-                      "time two or more byte counts")[1])
 
 
 def plot_speedup(path: str, n: int, nbytes: float, link: LinkParams, compute: float, *,

@@ -1,7 +1,7 @@
 """The emulated-cluster study's arithmetic, without a cluster: the calibration's link rates, the
 timing model's inputs and predictions from a made-up launch (split_batch's two calls per update
-included), the targets, and the tables a record renders to. The cluster itself:
-tests/test_cluster.py."""
+included), the targets, and the tables a record renders to; the same for the hierarchical kind
+(2 ranks per host). The cluster itself: tests/test_cluster.py."""
 from __future__ import annotations
 
 import argparse
@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from benchmarks import throughput
-from benchmarks.throughput_analysis import Launch, calls, fit_model, speedup, targets
+from benchmarks import step_time, throughput
+from benchmarks.throughput_analysis import Launch, calls, fit_model, hierarchical_model, hierarchical_rows, speedup, targets
 from benchmarks.throughput_plan import CommFit, fit_comm, plan_rate, rate_bps, second_rate
-from benchmarks.throughput_report import render
-from benchmarks.throughput_worker import CODECS, LOOPS, TRAINING
+from benchmarks.throughput_report import render, render_hierarchical
+from benchmarks.throughput_worker import CODECS, HIERARCHICAL, LOOPS, TRAINING, reduction_of, segments_for
 
 GRAD = 16_000_000          # bytes of float32 gradient
 # 12.5 MB of gradient on 2 ranks: 100 Mbit on the wire; all-reduce = 20 ms + wire at 80% of the rate.
@@ -139,16 +139,16 @@ def test_targets_come_from_the_launch():
 
 def test_split_rows_run_at_comm_about_compute_and_five_times_compute():
     configs = ["horovod", "w2-int8", "w2-split-int8"]
-    aimed = {aim: throughput.launch_configs(configs, throughput.Setting(2, "1gbit", 1024, "", aim))
+    aimed = {aim: throughput.launch_configs(configs, throughput.Setting(2, "1gbit", 1024, aim))
              for aim in (0.25, 1.0, 2.5, 5.0)}
     assert aimed[1.0] == aimed[5.0] == configs and aimed[0.25] == aimed[2.5] == ["horovod", "w2-int8"]
-    assert throughput.launch_configs(configs, throughput.Setting(2, "1gbit", 1024, "fixed")) == configs
-    assert throughput.launch_configs(configs, throughput.Setting(4, "1gbit", 512, "4 hosts")) == configs[:2]
+    assert throughput.launch_configs(configs, throughput.Setting(2, "1gbit", 1024)) == configs
+    assert throughput.launch_configs(configs, throughput.Setting(4, "1gbit", 512)) == configs[:2]
 
 
 def test_a_record_renders_one_row_per_configuration_the_targets_and_the_plot(tmp_path):
     two = made_up(configs=("horovod", "w2", "w2-int8", "w2-split-int8"))
-    settings = [throughput.Setting(2, "155mbit", 1024, "comm ~5x compute", 5.0)]
+    settings = [throughput.Setting(2, "155mbit", 1024, 5.0)]
     record = {"machine": "test", "elapsed_s": 60.0, "load_before": [0.5, 0, 0], "load_after": [1.0, 0, 0],
               "args": {"controller": "gloo", "layers": 4, "dim": 1000, "rounds": 1, "steps": 2, "horovod_cycle_ms": 20},
               "calibration": None, "settings": [dataclasses.asdict(s) for s in settings],
@@ -160,3 +160,79 @@ def test_a_record_renders_one_row_per_configuration_the_targets_and_the_plot(tmp
     assert "pipesgd width 1 |" not in text and "HOROVOD_CYCLE_TIME=20" in text
     # comm/compute 0.801 / 0.201 = 3.99 misses the aim 5 by 20%
     assert "| 2 hosts, 155mbit: comm/compute within 20% of its aim 5 | **missed** | 3.99 |" in text
+
+
+# The hierarchical kind: 2 hosts x 2 ranks; links: alpha 1 ms, 12.5 MB/s between hosts (a host's link
+# carries both local ranks' exchanges), 1 GB/s inside a host. Made-up times, medians per rank.
+HIER_STEP = {"compute": 0.1, "horovod": 0.9, "w2-flat-int8": 0.45, "w2-hier-int8": 0.24, "w2-flat-int4": 0.25,
+             "w2-hier-int4": 0.13}
+HIER_ALONE = {"comm-none": 0.8, "comm-int8": 0.42, "comm-hier-int8": 0.22, "comm-int4": 0.24, "comm-hier-int4": 0.12}
+
+
+def made_up_hierarchical(grad: int = 8_396_800) -> Launch:
+    small, large = 4096, 1 << 21
+    med = {**HIER_STEP, **HIER_ALONE, "add": grad * 0.25e-9, "codec/int8": grad * 1e-9, "codec/int4": grad * 1e-9,
+           f"cross-a2a/{small}": 0.001 + 2 * small / 12.5e6, f"cross-a2a/{large}": 0.001 + 2 * large / 12.5e6,
+           "local-a2a": 4 * (grad // 8) / 1e9,
+           **{f"payload/comm-{r}": b for r, b in (("int8", 1.6e6), ("hier-int8", 0.8e6), ("int4", 0.8e6),
+                                                  ("hier-int4", 0.4e6))}}
+
+    def rank(local_rank: int, extra: float) -> dict:
+        samples = {k: [v + (0 if k.startswith("payload") else extra)] * 3 for k, v in med.items()}
+        if local_rank == 0:  # the host's link: flat sends about twice hierarchical's bytes
+            samples.update({f"host-bytes/{k}": [b] * 3 for k, b in (("horovod", 13e6), ("w2-flat-int8", 3.3e6),
+                            ("w2-hier-int8", 1.66e6), ("w2-flat-int4", 1.7e6), ("w2-hier-int4", 0.86e6))})
+        return {"samples": samples}
+
+    raw = {"ranks": 4, "local_size": 2, "cross_size": 2, "grad_bytes": grad, "layers": 2,
+           "buckets": [grad // 8, grad // 8], "configs": ["horovod", *HIERARCHICAL],
+           "per_rank": [rank(0, 0.0), rank(1, 0.0), rank(0, 0.0), rank(1, 0.002)]}
+    return Launch(2, "202mbit", 1024, raw)
+
+
+def test_the_hierarchical_kind_runs_flat_and_hierarchical_rows_at_rates_from_its_aims():
+    assert step_time.options("w2-hier-int8") == {"width": 2, "compression": "int8", "hierarchical": True}
+    assert step_time.options("w2-flat-int4")["hierarchical"] is False and "hierarchical" not in step_time.options("w2")
+    assert [reduction_of(k) for k in HIERARCHICAL] == ["int8", "hier-int8", "int4", "hier-int4"]
+    assert segments_for(["horovod", *HIERARCHICAL]) == ("compute", "horovod", *HIERARCHICAL)  # no engine-free loops
+    # 2 x Linear(1024, 1024): 8.4 MB; a ring over 4 ranks sends 1.5 x 67.2 Mbit = 100.8 Mbit per host link,
+    # in 1x (then 5x) the 100 ms of device time
+    args = argparse.Namespace(layers=2, dim=1024, device_times=[0.03, 0.07], aims=[1.0, 5.0], batch=1024)
+    assert [(s.rate, s.target) for s in throughput.hierarchical_settings(args)] == [("1010mbit", 1.0), ("202mbit", 5.0)]
+
+
+def test_the_hierarchical_model_takes_its_links_from_the_launch():
+    la = made_up_hierarchical()
+    model = hierarchical_model(la)
+    # Horovod's ring over 4 ranks on the link between hosts: 6 alpha + 1.5 M / B + 0.75 M gamma
+    assert model["horovod"] == pytest.approx(6 * 0.001 + 1.5 * 8_396_800 / 12.5e6 + 0.75 * 8_396_800 * 0.25e-9)
+    # flat int8, per 4.2 MB bucket: 6 alpha + 2 x the node's link carrying L (N-L)/N r M + 3/4 M (gamma + c)
+    r, m = 516 / 2048, 4_198_400
+    bucket = 6 * 0.001 + 2 * 2 * 2 / 4 * r * m / 12.5e6 + 0.75 * m * (0.25e-9 + 1e-9)
+    assert model["w2-flat-int8"] == pytest.approx(2 * bucket, rel=1e-6)
+    assert model["w2-hier-int8"] < 0.55 * model["w2-flat-int8"]         # half the bytes cross between hosts
+    rows = {r["config"]: r for r in hierarchical_rows(la)}
+    # a width-2 step at max(compute, reduction); Horovod's at compute + its all-reduce (the slowest rank's)
+    assert rows["w2-hier-int8"]["model_step"] == pytest.approx(max(0.102, model["w2-hier-int8"]))
+    assert rows["horovod"]["model_step"] == pytest.approx(0.102 + model["horovod"])
+    assert rows["w2-hier-int8"]["step"] == pytest.approx(0.242) and rows["w2-hier-int8"]["alone"] == pytest.approx(0.222)
+    # both hosts' links per step, and what all ranks' reductions sent to the other host
+    assert rows["w2-flat-int8"]["host_bytes"] == 6.6e6 and rows["w2-hier-int8"]["counted"] == pytest.approx(4 * 0.8e6)
+
+
+def test_the_hierarchical_targets_and_table():
+    la = made_up_hierarchical()
+    record = {"machine": "test", "elapsed_s": 60.0, "settings": [dataclasses.asdict(throughput.Setting(2, "202mbit",
+                                                                                                        1024, 5.0))],
+              "args": {"layers": 2, "dim": 1024, "device_times": [0.03, 0.07], "horovod_cycle_ms": 20, "rounds": 3,
+                       "steps": 10}, "launches": [dataclasses.asdict(la)]}
+    text = render_hierarchical(record)
+    where = "202mbit (aim 5x, measured 7.86x)"   # comm-none 0.802 s over compute 0.102 s
+    assert f"| {where}: hierarchical int8's bytes between hosts <= 1/2 of flat's | met | 0.500 counted" in text
+    assert f"| {where}: hierarchical int8 >= 1.5x faster than flat int8 | met | 1.87x |" in text
+    # 0.242 s against max(compute 0.102, its all-reduce alone 0.222): 1.09, within 10%
+    assert f"| {where}: hierarchical int8 within 10% of max(compute, its all-reduce alone) | met | step / bound = 1.09 |" \
+        in text
+    assert f"| {where} | w2-hier-int8 | 242 | 182 | 222 | 182 | 3.32 | 3.20 | 3.73x |" in text
+    assert f"| {where}: w2-hier-int8 within 15% of the model | **missed** | step / model = 1.33 |" in text
+    assert "2 x Linear(1024, 1024), 8.4 MB" in text and "4 of 6 targets met" in text

@@ -3,13 +3,11 @@ rest in benchmarks/timing_model.py): each formula by hand, its limits, the least
 the CLI."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
 from benchmarks import timing_model as timing
-from benchmarks.timing_model import (fit_codec, fit_link, pipelined_iteration_time, predict, ps_iteration_time,
+from benchmarks.timing_model import (fit_link, pipelined_iteration_time, predict, ps_iteration_time,
                                      ring_allreduce_time, speedup, total_time)
 from pipesgd_hvd.auto.model import CODECS, CodecParams, LinkParams, compressed_allreduce_time, sync_iteration_time
 
@@ -187,19 +185,6 @@ def test_exact_nnls_matches_scipy():
     for _ in range(20):
         a, b = rng.standard_normal((12, 3)), rng.standard_normal(12)
         np.testing.assert_allclose(timing._nnls(a, b), optimize.nnls(a, b)[0], atol=1e-10)
-
-
-def test_fit_codec():
-    # encode + decode: 50 us per call + 0.3 ns per float32 byte
-    samples = [(m, 5e-5 + 3e-10 * m) for m in (1e5, 1e6, 1e7, 1e8)]
-    assert fit_codec(samples) == pytest.approx(3e-10, rel=1e-8)
-    rng = np.random.default_rng(3)
-    noisy = [(m, t * (1 + 0.01 * rng.standard_normal())) for m, t in samples for _ in range(5)]
-    assert fit_codec(noisy) == pytest.approx(3e-10, rel=0.03)  # 1% noise; worst of 200 seeds: 0.85%
-    with pytest.raises(ValueError, match="byte counts"):
-        fit_codec([(1e6, 1e-3), (1e6, 1.1e-3)])
-    int8 = replace(CODECS["int8"], cost_per_byte=fit_codec(samples))
-    assert compressed_allreduce_time(N, M, LINK, int8) > compressed_allreduce_time(N, M, LINK, CODECS["int8"])
 
 
 def test_cli_prints_table(capsys):

@@ -37,7 +37,7 @@ class LinkParams:
 @dataclass(frozen=True)
 class CodecParams:
     """A codec as the model sees it: ``ratio`` = wire bytes / float32 bytes, ``cost_per_byte`` =
-    s per float32 byte for one encode + one decode (``benchmarks/timing_model.py`` fits it)."""
+    s per float32 byte for one encode + one decode (measured: ``benchmarks/throughput_analysis.py``)."""
 
     name: str
     ratio: float
