@@ -153,6 +153,21 @@ def notes(tasks: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def rule_line() -> str:
+    """What ``staleness_correction="auto"`` picks today (pipesgd_hvd/staleness/rule.py), beside the
+    ranking above that it was set from."""
+    from pipesgd_hvd.staleness.rule import FALLBACK, RULE
+
+    def name(c: Any) -> str:
+        return f"`{c}`" if c else "none"
+
+    rows = ", ".join(f"{family}: {name(c)}" for family, c in RULE.items())
+    fallbacks = ", ".join(f"{family}: {name(c)}" for family, c in FALLBACK.items())
+    return (f"`staleness_correction=\"auto\"` picks, per family of the wrapped optimizer "
+            f"(`pipesgd_hvd/staleness/rule.py`): {rows}; where that correction cannot run with the other "
+            f"settings (`width`/`compression=\"auto\"`, `split_batch` at width >= 3, a GradScaler): {fallbacks}.")
+
+
 def document(record: Mapping[str, Any], kept: str) -> str:
     tasks, s = record["tasks"], record["summary"]
     sections = "\n\n".join(f"### `{t['task']}`: {t['title']}\n\n{settings(t)}\n\n{results_table(t)}" for t in tasks)
@@ -163,9 +178,9 @@ Written by `python -m benchmarks.accuracy` (`make accuracy`): {record['machine']
 `docs/accuracy.json`. Per task, one `horovodrun -np 2` launch trains its configurations and seeds side by side
 (one torch thread per rank); runs of a seed start from the same weights and see the same samples per update.
 Metrics: at the real weights (`opt.real_weights()`; the last after `flush()`), the mean over ranks. "Training s":
-training steps only, slowest rank (docs/benchmarks.md has the speed study). The standard LM runs each correction
-with int8+EF only and the recipes width 2 without a codec (`--configs` adds the others); the stress task runs
-every correction with and without int8+EF.
+training steps only, slowest rank (docs/benchmarks.md has the speed study). The language models run every
+correction with and without int8+EF, the SGD tasks each correction with int8+EF, the NAdamW and Muon recipes
+plain width 2 and `split_batch` without a codec (`--configs` chooses others).
 
 ## Verdicts: the best width-2 configuration against synchronous training
 
@@ -177,6 +192,8 @@ Score: the shortfall against synchronous training in units of the task's target 
 the worst seed's; at most 1 meets it), ranked by the worst over the class's judged tasks; `none`: plain width 2.
 
 {optimizer_table(s['by_optimizer'])}
+
+{rule_line()}
 
 ## Results
 
