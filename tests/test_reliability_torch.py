@@ -221,7 +221,7 @@ def test_step_without_backward():
 
 def test_two_backward_passes_without_backward_passes_per_step():
     model = make_model()
-    opt = wrap(model)
+    _opt = wrap(model)  # held: its hooks count the backward passes
     batch = make_batches(1, 1)[0][0]
     loss_fn(model, batch).backward()
     with pytest.raises(RuntimeError, match=r"computed more than backward_passes_per_step=1 times.*increase "

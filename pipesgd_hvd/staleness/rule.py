@@ -6,7 +6,7 @@ wrapped optimizer belongs to (:data:`FAMILIES`); :func:`choose` maps it to a cor
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 #: adaptive: Adam and its kin (per-coordinate step sizes: Adam, AdamW, NAdam, RAdam, Adamax,
 #: Adagrad, Adadelta, RMSprop); sgd: SGD with or without momentum; other: anything else
@@ -20,6 +20,20 @@ RULE: Dict[str, Optional[str]] = {"adaptive": "split_batch", "sgd": "eager", "ot
 #: compression="auto": the pipeline is rebuilt mid-run, which the corrections that keep per-step
 #: state do not survive; split_batch at width >= 3; a GradScaler), the one that runs with all.
 FALLBACK: Dict[str, Optional[str]] = {"adaptive": "weight_prediction", "sgd": "weight_prediction", "other": None}
+
+
+def family_by_class(optimizer: Any, framework: str, adaptive: Sequence[str]) -> str:
+    """The family of ``optimizer`` from the first class of its MRO defined in the module tree
+    ``framework`` ("torch.optim", "keras"), so that a user's subclass keeps its base's: "adaptive"
+    where its name is in ``adaptive`` (the framework's names for Adam's kin), "sgd" for SGD, and
+    "other" for anything else."""
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith(framework):
+            if cls.__name__ in adaptive:
+                return "adaptive"
+            if cls.__name__ == "SGD":
+                return "sgd"
+    return "other"
 
 
 def choose(family: Optional[str], fits: Callable[[str], bool] = lambda correction: True) -> Optional[str]:

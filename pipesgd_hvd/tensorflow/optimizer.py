@@ -21,6 +21,7 @@ from ..optimizer.options import PipelineOptions
 from ..pipeline.config import WireStats
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 from ..staleness.formulas import DEFAULT_DC_LAMBDA
+from ..staleness.rule import family_by_class
 from .core import KerasCore, variable_name
 from .pipeline import GraphPipeline
 from .xla import calling_model, check_not_xla_compiled
@@ -153,13 +154,7 @@ _ADAPTIVE = ("Adam", "AdamW", "Nadam", "Adamax", "Adagrad", "Adadelta", "RMSprop
 def optimizer_family(optimizer: Any) -> str:
     """The wrapped Keras optimizer's family for ``staleness_correction="auto"``: Keras's own
     classes and their subclasses by their Keras base class; anything else is "other"."""
-    for cls in type(optimizer).__mro__:
-        if cls.__module__.startswith("keras"):
-            if cls.__name__ in _ADAPTIVE:
-                return "adaptive"
-            if cls.__name__ == "SGD":
-                return "sgd"
-    return "other"
+    return family_by_class(optimizer, "keras", _ADAPTIVE)
 
 
 _CLASSES: Dict[Type[Any], Type[Any]] = {}

@@ -12,6 +12,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..staleness.rule import family_by_class
+
 _COMMUNICATOR_METHODS = ("allreduce_async_", "alltoall_async", "allgather_async", "allgather_object")
 
 
@@ -141,10 +143,4 @@ _ADAPTIVE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta",
 def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
     """The wrapped optimizer's family for ``staleness_correction="auto"``: torch's own classes
     and their subclasses by their torch base class; anything else is "other"."""
-    for cls in type(optimizer).__mro__:
-        if cls.__module__.startswith("torch.optim"):
-            if cls.__name__ in _ADAPTIVE:
-                return "adaptive"
-            if cls.__name__ == "SGD":
-                return "sgd"
-    return "other"
+    return family_by_class(optimizer, "torch.optim", _ADAPTIVE)
