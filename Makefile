@@ -34,8 +34,8 @@ bench: install
 
 # The accuracy study (issue 30, benchmarks/accuracy/): writes docs/accuracy.md, docs/accuracy.json (the record)
 # and docs/img/accuracy.png; 4 SGD tasks, a standard and a stress language model (AdamW), the NAdamW and Muon
-# recipes, every staleness correction. About 3.2 h on 2 otherwise idle cores (estimated from trials, 2026-12-07;
-# 1.5-2x that while other jobs share them). Subsets: python -m benchmarks.accuracy --tasks ... --configs ...
+# recipes, every staleness correction. 2.4 h on 2 cores shared with other jobs (2026-12-07: the SGD tasks 27 min,
+# the language models 1.9 h). Subsets: python -m benchmarks.accuracy --tasks ... --configs ...
 # --seeds N --steps N --no-doc --record PATH; --from-record PATH rewrites the page from a saved record.
 accuracy: install
 	$(PY) -m benchmarks.accuracy

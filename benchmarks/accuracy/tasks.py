@@ -43,8 +43,8 @@ def _config(width: int, correction: Optional[str], compression: str) -> Config:
 _SHAPES = [(1, None), (2, None), *((2, c) for c in CORRECTIONS)]   # (width, correction)
 CONFIGS = {c.key: c for c in (_config(w, corr, codec) for w, corr in _SHAPES for codec in ("none", "int8"))}
 LM_CONFIGS = tuple(CONFIGS)   # sync, width 2, every correction; each with and without int8+EF
-# The standard LM runs every configuration too: 14 x 3 seeds at ~0.1 s per update on 2 cores
-# (mostly the 2 ranks' per-call communication) make the study about 3.2 hours.
+# The standard LM runs every configuration too: 14 x 3 seeds, trained side by side, about 0.05 s per
+# update and run on 2 cores (2026-12-07: the language models took 1.9 h beside other jobs).
 STANDARD_CONFIGS = LM_CONFIGS
 SGD_CONFIGS = ("sync", "w2", *(f"w2-{CORRECTIONS[c]}-int8" for c in SGD_CORRECTIONS))
 # The recipes: does the optimizer tolerate the plain delay, and does split_batch still help it (the
@@ -74,7 +74,7 @@ class Task:
     model: Dict[str, int] = field(default_factory=dict)  # the transformer's size
 
 
-# batch 4 windows per rank (8 per update) and 3 evaluations: with the configurations above, about 3.2 hours in all
+# batch 4 windows per rank (8 per update) and 3 evaluations
 STANDARD = dict(problem="stdlib", updates_per_eval=500, evals=3, batch=4, lr=1e-3, betas=(0.9, 0.95),
                 weight_decay=0.1, schedule="cosine", model=dict(dim=128, layers=4, heads=4))
 TASKS: Dict[str, Task] = {t.name: t for t in (
