@@ -133,7 +133,10 @@ def run_launch(setting: Setting, args: argparse.Namespace, configs: Sequence[str
         if MARKER in line:  # horovodrun tags each line with its rank
             raw = json.loads(line.split(MARKER, 1)[1])
             return Launch(setting.hosts, setting.rate, setting.batch, raw, waited, busy)
-    raise RuntimeError(f"no result (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    # the rank that failed first is rarely the last to print: its errors, then the tail
+    first = [line for line in proc.stdout.splitlines() if "Error" in line or "error:" in line][:12]
+    raise RuntimeError(f"no result (rc {proc.returncode}); the ranks' first errors:\n" + "\n".join(first)
+                       + f"\n...\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
 def calibrate(args: argparse.Namespace, launch: Callable[..., Launch] = run_launch) -> Dict[str, Any]:
