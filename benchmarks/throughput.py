@@ -14,6 +14,7 @@ how to read it, and its samples to build/<section>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,10 +22,11 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .throughput_analysis import Launch
 from .throughput_plan import (AIMS, FIRST_RATE, fit_comm, off_aim, plan_rate, rate_bps, second_rate, select_configs,
@@ -70,6 +72,30 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def relayed(path: Path) -> Iterator[None]:
+    """Copies the lines rank 0 appends to ``path`` to stderr as they come: a launch's own output comes
+    back only at its end. (Rank 0 once appended to this process's stderr by its /proc path: where
+    that was a file opened without O_APPEND, this process's next lines overwrote them.)"""
+    path.touch()
+    stop = threading.Event()
+
+    def relay() -> None:
+        with open(path) as f:
+            while not stop.wait(1.0):
+                sys.stderr.write(f.read())
+                sys.stderr.flush()
+            sys.stderr.write(f.read())
+
+    thread = threading.Thread(target=relay, name="bench-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def horovod_cycle_env(cycle_ms: float) -> Dict[str, str]:
     """The workers' HOROVOD_CYCLE_TIME: ``cycle_ms`` > 0 sets it; 0 leaves Horovod's default (the
     variable must then be unset here, or every rank would inherit it)."""
@@ -106,20 +132,19 @@ def run_launch(setting: Setting, args: argparse.Namespace, configs: Sequence[str
     # compute off the cores waits args.device_times (the calibration's, or --device-times) for args.batch;
     # a launch of another batch (the 4-host one) times its own passes
     fixed = args.offload_compute and args.device_times is not None and setting.batch == args.batch
-    # rank 0 appends its progress to this process's stderr (a launch's output comes back only at its end)
     worker = {**{k: getattr(args, k) for k in ("rounds", "steps", "comm_reps", "dim", "layers", "offload_compute")},
               "batch": setting.batch, "auto_measure_steps": 5, "configs": list(configs), "quick": quick,
-              "device_times": args.device_times if fixed else None, "progress": f"/proc/{os.getpid()}/fd/2"}
+              "device_times": args.device_times if fixed else None}
     with tempfile.TemporaryDirectory(prefix="pipesgd-bench-") as tmp:
-        settings = Path(tmp) / "settings.json"
-        settings.write_text(json.dumps(worker))
+        settings, progress = Path(tmp) / "settings.json", Path(tmp) / "progress.log"
+        settings.write_text(json.dumps({**worker, "progress": str(progress)}))
         cmd = [sys.executable, "-m", "benchmarks.throughput_worker", str(settings)]
         env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
                **horovod_cycle_env(args.horovod_cycle_ms)}
         waited, busy = wait_for_quiet(args.max_quiet_wait)
         log(f"[launch] {what} (waited {waited:.0f} s for other jobs; {busy:.1f} cores busy)")
         start = time.perf_counter()
-        with Cluster(setting.hosts, rate=setting.rate) as cluster:
+        with Cluster(setting.hosts, rate=setting.rate) as cluster, relayed(progress):
             if args.hierarchical:  # horovodrun itself: a host's ranks share its namespace, their traffic stays on it
                 proc = horovodrun.run(cluster, cmd, ranks_per_host=2, env=env, timeout=args.launch_timeout)
             else:
@@ -133,10 +158,14 @@ def run_launch(setting: Setting, args: argparse.Namespace, configs: Sequence[str
         if MARKER in line:  # horovodrun tags each line with its rank
             raw = json.loads(line.split(MARKER, 1)[1])
             return Launch(setting.hosts, setting.rate, setting.batch, raw, waited, busy)
-    # the rank that failed first is rarely the last to print: its errors, then the tail
+    # the rank that failed first is rarely the last to print: its errors, then the tail; the whole
+    # output in a file, since the cause is often a screen above the first "Error"
+    kept = ROOT / "build" / "failed-launch.log"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(f"{what}\n{proc.stdout}\n{proc.stderr}")
     first = [line for line in proc.stdout.splitlines() if "Error" in line or "error:" in line][:12]
     raise RuntimeError(f"no result (rc {proc.returncode}); the ranks' first errors:\n" + "\n".join(first)
-                       + f"\n...\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                       + f"\n...\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\nthe whole output: {kept}")
 
 
 def calibrate(args: argparse.Namespace, launch: Callable[..., Launch] = run_launch) -> Dict[str, Any]:

@@ -143,14 +143,29 @@ class RankBench:
         return f"bench.{tag}"
 
     def progress(self, line: str) -> None:
-        """Rank 0 appends ``line`` to the driver's stderr (``progress``); best effort: a stderr that
-        cannot be opened by path (a socket) only loses these lines."""
+        """Rank 0 appends ``line`` to the file the driver relays to its stderr (``progress``); best
+        effort: a line that cannot be written is only lost."""
         if self.args.progress and self.hvd.rank() == 0:
             with contextlib.suppress(OSError), open(self.args.progress, "a") as f:
                 f.write(f"    {line}\n")
 
     def barrier(self) -> None:
-        self.hvd.allreduce(self.torch.zeros(1), name=self.horovod_name("barrier"))
+        self.settled(self.hvd.allreduce_async(self.torch.zeros(1), name=self.horovod_name("barrier")))
+
+    def settled(self, handle: Any) -> Any:
+        """Horovod's result for ``handle``, waited for in a sleeping poll as the engine waits. Horovod's
+        own synchronize() spins in sched_yield: with 2 ranks per core (the hierarchical kind: 4 ranks on
+        2 cores) the waiting ranks took the cores from the rank they waited for and from Horovod's
+        background loops, until Horovod's Gloo controller gave up after its 30 s timeout; on a GPU
+        node each rank spins on a core of its own."""
+        self.done(handle)
+        return self.hvd.synchronize(handle)
+
+    def done(self, handle: Any) -> None:
+        """Returns once Horovod's ``handle`` is done, leaving its result to whoever synchronizes it."""
+        from pipesgd_hvd.comm.base import PolledHandle
+
+        PolledHandle(lambda: self.hvd.poll(handle), lambda: None, "horovod").wait()
 
     @contextlib.contextmanager
     def billed(self, key: str) -> Iterator[None]:
@@ -178,8 +193,8 @@ class RankBench:
                 self.step(model, opt, split=i > 0)
             measured = [statistics.median(self.samples.pop(k)) for k in ("forward", "backward")]
             self.samples.pop("update")
-            times = self.hvd.allreduce(self.torch.tensor(measured, dtype=self.torch.float64), op=self.hvd.Max,
-                                       name=self.horovod_name("offload")).tolist()
+            times = self.settled(self.hvd.allreduce_async(self.torch.tensor(measured, dtype=self.torch.float64),
+                                                          op=self.hvd.Max, name=self.horovod_name("offload"))).tolist()
         self.record("device-forward", times[0])
         self.record("device-backward", times[1])
         return OffloadedCompute(list(model), forward_s=times[0], backward_s=times[1])
@@ -197,6 +212,9 @@ class RankBench:
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
+            for handle, _ in getattr(opt, "_handles", {}).values():  # Horovod's optimizer: see settled()
+                if isinstance(handle, int):
+                    self.done(handle)
             opt.step()
         if split:
             self.record("forward", t1 - t0)

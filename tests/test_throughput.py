@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 
 import pytest
 
@@ -236,3 +237,20 @@ def test_the_hierarchical_targets_and_table():
     assert f"| {where} | w2-hier-int8 | 242 | 182 | 222 | 182 | 3.32 | 3.20 | 3.73x |" in text
     assert f"| {where}: w2-hier-int8 within 15% of the model | **missed** | step / model = 1.33 |" in text
     assert "2 x Linear(1024, 1024), 8.4 MB" in text and "4 of 6 targets met" in text
+
+
+def test_a_launch_relays_rank_0s_progress_lines_to_stderr_as_they_come(tmp_path, capsys):
+    progress, seen = tmp_path / "progress.log", ""
+    with throughput.relayed(progress):
+        with open(progress, "a") as rank0:  # as the worker appends, after the relay has started
+            rank0.write("    round 1/3 done\n")
+        deadline = time.monotonic() + 10  # the relay looks every second
+        while "round 1/3" not in seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen += capsys.readouterr().err
+        assert seen == "    round 1/3 done\n"  # during the launch, not at its end
+        with open(progress, "a") as rank0:
+            rank0.write("    round 2/3 done\n")
+    with open(progress, "a") as late:
+        late.write("after the launch\n")  # the relay stopped with its launch
+    assert capsys.readouterr().err == "    round 2/3 done\n"
