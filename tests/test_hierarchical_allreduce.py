@@ -2,8 +2,6 @@
 reference computed without any communicator (tests/allreduce_reference.py), every codec, uneven
 bucket sizes, error feedback over steps; replicas identical; cross-host bytes 1/local_size of the
 flat reduction's."""
-import threading
-
 import numpy as np
 import pytest
 
@@ -15,29 +13,15 @@ from pipesgd_hvd.compression import Compression, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce, padded_numel
 from pipesgd_hvd.compression.hierarchical import hierarchical_allreduce
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
+from threads import run_ranks
 
 CODECS = ["fp16", "bf16", "truncate16", "int8", "int4"]
 
 
 def run_cluster(cluster, fn, timeout=60):
     """``fn(rank, topology, comm)`` on every in-process rank; results in rank order."""
-    results, errors = [None] * cluster.size, []
-
-    def target(rank):
-        try:
-            results[rank] = fn(rank, cluster.topology(rank), cluster.world.communicator(rank))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(cluster.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a collective hangs"
-    return results
+    return run_ranks(cluster.size, lambda rank: fn(rank, cluster.topology(rank), cluster.world.communicator(rank)),
+                     timeout)
 
 
 def inputs_for(size, n, seed):

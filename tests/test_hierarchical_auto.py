@@ -1,8 +1,6 @@
 """The auto mode and the timing model with hierarchical reductions: the model's terms in closed
 form, the rule's choice between a byte codec flat and hierarchical, and the controller timing
 both on in-process hosts (a real TimingProbe: the real reductions) and rebuilding accordingly."""
-import threading
-
 import numpy as np
 import pytest
 
@@ -15,6 +13,7 @@ from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.pipeline.engine import AppliedStep
 from pipesgd_hvd.pipeline.fusion import TensorSpec
 from scripted_timing import FakeClock
+from threads import run_ranks
 
 M = 64e6
 FREE = LinkParams(alpha=0.0, bandwidth=float("inf"))
@@ -108,32 +107,22 @@ EVERY_FORM = [("none", False)] + [(c, h) for c in ("fp16", "int8", "int4") for h
 @pytest.mark.parametrize("hier_s,expect_hier,expect_timed", [(0.11, True, FP16_HIER_ONLY), (0.4, False, EVERY_FORM)])
 def test_the_controller_times_both_forms_and_rebuilds_with_the_faster(hier_s, expect_hier, expect_timed):
     cluster = LocalCluster(2, 2, NUMPY_OPS)
-    out, errors = [None] * 4, []
 
-    def target(rank):
-        try:
-            clock, engine, rebuilt = FakeClock(), StubEngine(4096), []
-            probe = SlowHierarchicalProbe(hier_s)
-            controller = AutoController(AutoSettings.from_arguments("auto", "auto", 2, 0), cluster.world.communicator(rank),
-                                        NUMPY_OPS, rebuild=lambda w, c, h: rebuilt.append((w, c, h)), probe=probe,
-                                        clock=clock, topology=cluster.topology(rank), choose_hierarchy=True)
-            grad = np.linspace(-1, 1, 4096, dtype=np.float32) * (rank + 1)
-            for t in range(3):
-                clock.now += 0.1
-                controller.reduction_started()
-                engine.step += 1
-                controller.after_step(engine, [AppliedStep(t, {0: grad.copy()})])
-            out[rank] = probe.timed, rebuilt, controller.decision
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+    def rank_fn(rank):
+        clock, engine, rebuilt = FakeClock(), StubEngine(4096), []
+        probe = SlowHierarchicalProbe(hier_s)
+        controller = AutoController(AutoSettings.from_arguments("auto", "auto", 2, 0), cluster.world.communicator(rank),
+                                    NUMPY_OPS, rebuild=lambda w, c, h: rebuilt.append((w, c, h)), probe=probe,
+                                    clock=clock, topology=cluster.topology(rank), choose_hierarchy=True)
+        grad = np.linspace(-1, 1, 4096, dtype=np.float32) * (rank + 1)
+        for t in range(3):
+            clock.now += 0.1
+            controller.reduction_started()
+            engine.step += 1
+            controller.after_step(engine, [AppliedStep(t, {0: grad.copy()})])
+        return probe.timed, rebuilt, controller.decision
 
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
+    out = run_ranks(4, rank_fn)
     timed, rebuilt, decision = out[0]
     # none first, then each byte codec hierarchical before flat, until the rest cannot matter
     assert timed == expect_timed
@@ -152,38 +141,28 @@ def test_the_optimizer_rebuilds_a_hierarchical_pipeline_when_the_auto_mode_says_
     from reference import loss_fn, make_batches, make_model
 
     cluster, batches = LocalCluster(2, 2, TORCH_OPS), make_batches(5, 4)
-    out, errors = [None] * 4, []
 
-    def target(rank):
-        try:
-            model = make_model()
-            opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                            named_parameters=model.named_parameters(), width="auto",
-                                            compression="auto", auto_measure_steps=2, auto_recheck_every=0,
-                                            communicator=cluster.world.communicator(rank),
-                                            hierarchical=cluster.topology(rank))
-            clock = FakeClock()
-            opt.auto_controller.clock, opt.auto_controller.probe = clock, SlowHierarchicalProbe(0.11)
-            before = (opt._core.engine.config.width, opt._core.engine.config.hierarchical)
-            for t in range(5):
-                opt.zero_grad()
-                loss_fn(model, batches[t][rank]).backward()
-                clock.now += 0.1
-                opt.step()
-            opt.flush()
-            engine = opt._core.engine
-            out[rank] = before, (engine.config.width, engine.codec.name, engine.config.hierarchical), \
-                [p.detach().clone() for p in model.parameters()]
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+    def rank_fn(rank):
+        model = make_model()
+        opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), width="auto",
+                                        compression="auto", auto_measure_steps=2, auto_recheck_every=0,
+                                        communicator=cluster.world.communicator(rank),
+                                        hierarchical=cluster.topology(rank))
+        clock = FakeClock()
+        opt.auto_controller.clock, opt.auto_controller.probe = clock, SlowHierarchicalProbe(0.11)
+        before = (opt._core.engine.config.width, opt._core.engine.config.hierarchical)
+        for t in range(5):
+            opt.zero_grad()
+            loss_fn(model, batches[t][rank]).backward()
+            clock.now += 0.1
+            opt.step()
+        opt.flush()
+        engine = opt._core.engine
+        return before, (engine.config.width, engine.codec.name, engine.config.hierarchical), \
+            [p.detach().clone() for p in model.parameters()]
 
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
+    out = run_ranks(4, rank_fn, timeout=120)
     for before, after, weights in out:
         assert before == (1, None)  # measuring: synchronous, uncompressed
         assert after == (2, "fp16", "float32")

@@ -1,8 +1,6 @@
 """The engine with a hierarchical pipeline on in-process hosts (LocalCluster, numpy): each applied
 step's gradients are bitwise the reference's (tests/allreduce_reference.py, no communicator),
 bucket by bucket of uneven sizes, error feedback carried over steps, at width 2 and width 1."""
-import threading
-
 import numpy as np
 import pytest
 
@@ -14,6 +12,7 @@ from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
 from pipesgd_hvd.pipeline.fusion import TensorSpec
+from threads import run_ranks
 
 # Buckets of uneven sizes (threshold 4 KiB): 1200, 7, 3001 and 513 + 64 values.
 SHAPES = [(8, 8), (513,), (3001,), (7,), (30, 40)]
@@ -27,36 +26,24 @@ def gradient(step, rank, i):
 
 
 def run(cluster, name, width, steps, node_dtype="float32"):
-    results, errors = [None] * cluster.size, []
+    def rank_fn(rank):
+        config = PipelineConfig(width=width, fusion_threshold_bytes=THRESHOLD, name="h", hierarchical=node_dtype)
+        engine = PipelineEngine(SPECS, ops=NUMPY_OPS, comm=cluster.world.communicator(rank),
+                                codec=resolve_compression(name), config=config, topology=cluster.topology(rank))
+        applied = {}
+        for t in range(steps):
+            engine.begin_step(range(len(SPECS)))
+            for i in engine._ready_order:
+                engine.add_gradient_(i, gradient(t, rank, i))
+            for a in engine.end_step():
+                applied[(a.step, t)] = {i: g.copy() for i, g in a.grads.items()}
+        for a in engine.flush():
+            applied[(a.step, steps)] = {i: g.copy() for i, g in a.grads.items()}
+        out = applied, engine.layout_for(range(len(SPECS))), engine.stats.bytes_sent
+        engine.close()
+        return out
 
-    def target(rank):
-        try:
-            config = PipelineConfig(width=width, fusion_threshold_bytes=THRESHOLD, name="h", hierarchical=node_dtype)
-            engine = PipelineEngine(SPECS, ops=NUMPY_OPS, comm=cluster.world.communicator(rank),
-                                    codec=resolve_compression(name), config=config, topology=cluster.topology(rank))
-            applied = {}
-            for t in range(steps):
-                engine.begin_step(range(len(SPECS)))
-                for i in engine._ready_order:
-                    engine.add_gradient_(i, gradient(t, rank, i))
-                for a in engine.end_step():
-                    applied[(a.step, t)] = {i: g.copy() for i, g in a.grads.items()}
-            for a in engine.flush():
-                applied[(a.step, steps)] = {i: g.copy() for i, g in a.grads.items()}
-            results[rank] = applied, engine.layout_for(range(len(SPECS))), engine.stats.bytes_sent
-            engine.close()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(cluster.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a collective hangs"
-    return results
+    return run_ranks(cluster.size, rank_fn)
 
 
 @pytest.mark.parametrize("hosts,per_host", [(2, 2), (3, 2)])

@@ -14,40 +14,29 @@ from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import side_region
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from reference import loss_fn, make_batches, make_model
+from threads import run_ranks
 
 STEPS, LR = 6, 0.1
 
 
 def train(cluster, name, hierarchical, width=2, steps=STEPS):
     batches = make_batches(steps, cluster.size)
-    results, errors = [None] * cluster.size, []
 
-    def target(rank):
-        try:
-            model = make_model(0)
-            topo = cluster.topology(rank) if hierarchical == "topology" else hierarchical
-            opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
-                                            named_parameters=model.named_parameters(), width=width,
-                                            compression=name, communicator=cluster.world.communicator(rank),
-                                            fusion_threshold_mb=0, hierarchical=topo)
-            for t in range(steps):
-                opt.zero_grad()
-                loss_fn(model, batches[t][rank]).backward()
-                opt.step()
-            opt.flush()
-            results[rank] = [p.detach().clone() for p in model.parameters()], opt._core.engine
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+    def rank_fn(rank):
+        model = make_model(0)
+        topo = cluster.topology(rank) if hierarchical == "topology" else hierarchical
+        opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                        named_parameters=model.named_parameters(), width=width,
+                                        compression=name, communicator=cluster.world.communicator(rank),
+                                        fusion_threshold_mb=0, hierarchical=topo)
+        for t in range(steps):
+            opt.zero_grad()
+            loss_fn(model, batches[t][rank]).backward()
+            opt.step()
+        opt.flush()
+        return [p.detach().clone() for p in model.parameters()], opt._core.engine
 
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(cluster.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a collective hangs"
-    return results, batches
+    return run_ranks(cluster.size, rank_fn, timeout=120), batches
 
 
 def flagged(inputs, name):
