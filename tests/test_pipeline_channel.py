@@ -30,7 +30,8 @@ def _passed(out: str, check: str) -> bool:
 def test_channel_gives_what_horovods_ops_give(controller):
     out = run_ranks("mp/channel_parity.py", controller=controller, timeout=240)
     for check in ("channel-alltoall-allgather-equal-horovod", "channel-allreduce-equal-horovod",
-                  "channel-compressed-allreduce-equal-horovod", "channel-allgather-object-equal-horovod"):
+                  "channel-compressed-allreduce-equal-horovod", "channel-allgather-object-equal-horovod",
+                  "channel-rendezvous-waits-without-spinning"):
         assert _passed(out, check), out
 
 

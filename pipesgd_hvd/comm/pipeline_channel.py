@@ -53,7 +53,7 @@ import torch.distributed as dist
 from ..ops.torch import TORCH_OPS, TorchOps
 from . import wire
 from .addresses import channel_address
-from .base import TIMEOUT_CAUSES, DoneHandle, PeerLostError, ReduceOp, default_timeout, postscale_factor
+from .base import TIMEOUT_CAUSES, DoneHandle, PeerLostError, PolledHandle, ReduceOp, default_timeout, postscale_factor
 from .board import StoreBoard, board_store
 from .device_group import DeviceGroup, GroupFactory, nccl_group
 
@@ -431,10 +431,16 @@ class PipelineChannel:
 
 def _broadcast_object(hvd: Any, obj: Any, name: str) -> Any:
     """Rank 0's ``obj`` on every rank, through two named Horovod broadcasts of its typed encoding
-    (Horovod's own ``broadcast_object`` unpickles what it receives)."""
+    (Horovod's own ``broadcast_object`` unpickles what it receives). Each is waited for in a
+    sleeping poll with no limit, as Horovod's own ops wait: ranks reach this point seconds apart
+    (imports, data), and Horovod's ``synchronize()`` would spin on a core the whole time."""
+    def broadcast(tensor: torch.Tensor, op_name: str) -> torch.Tensor:
+        handle = hvd.broadcast_async(tensor, root_rank=0, name=op_name)
+        return PolledHandle(lambda: hvd.poll(handle), lambda: hvd.synchronize(handle), op_name).wait()
+
     data = wire.encode(obj) if hvd.rank() == 0 else b""
-    size = hvd.broadcast(torch.tensor([len(data)], dtype=torch.int64), root_rank=0, name=f"{name}.size")
+    size = broadcast(torch.tensor([len(data)], dtype=torch.int64), f"{name}.size")
     buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
     if hvd.rank() == 0 and data:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    return wire.decode(hvd.broadcast(buffer, root_rank=0, name=name).numpy().tobytes())
+    return wire.decode(broadcast(buffer, name).numpy().tobytes())

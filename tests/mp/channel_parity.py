@@ -4,7 +4,10 @@ alltoall and allgather must return the same bytes; the float32/float64 all-reduc
 pre/postscale) the same values bit for bit: with 2 ranks a sum is one addition, whichever
 algorithm does it. Then the engine's compressed all-reduce (int8, fp16) through the channel
 against the same through HorovodTorchCommunicator, and allgather_object against Horovod's.
+Last, a second channel whose rank 1 arrives 2.5 s late: rank 0 waits without spinning a core.
 """
+import time
+
 import horovod.torch as hvd
 import torch
 
@@ -64,3 +67,14 @@ obj = {"rank": rank, "payload": list(range(rank * 50))}
 assert channel.allgather_object(obj, "obj") == hvd.allgather_object(obj, name="obj")
 passed("channel-allgather-object-equal-horovod")
 channel.close()
+
+# Building a channel waits for every rank (Horovod broadcasts): in a sleeping poll, where Horovod's
+# synchronize() would spin a core for as long as the last rank takes to arrive.
+if rank == 1:
+    time.sleep(2.5)
+cpu = time.thread_time()
+late = PipelineChannel.from_horovod(name="psgd.late")
+cpu = time.thread_time() - cpu
+assert rank == 1 or cpu < 0.5, f"rank 0 spent {cpu:.2f} s of CPU waiting 2.5 s for rank 1 to build the channel"
+late.close()
+passed("channel-rendezvous-waits-without-spinning")
