@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -49,6 +49,13 @@ def run_ranks(script: str, *args: str, np: int = 2, timeout: float = 180, contro
     else:
         cmd = [str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", f"--{controller}", *program]
     return run_command(cmd, f"{script} {' '.join(args)}", timeout, env, expect_failure)
+
+
+def assert_passed(out: str, checks: Iterable[str], ranks: Iterable[int] = (0, 1)) -> None:
+    """Every rank of ``ranks`` printed ``PASS rank<r> <check>`` (tests/mp/common.py ``passed``) for every check."""
+    for rank in ranks:
+        for check in checks:
+            assert f"PASS rank{rank} {check}" in out, f"missing: rank {rank} {check}"
 
 
 def mpirun_command(np: int) -> List[str]:
