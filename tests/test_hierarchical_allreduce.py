@@ -13,15 +13,15 @@ from pipesgd_hvd.compression import Compression, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce, padded_numel
 from pipesgd_hvd.compression.hierarchical import hierarchical_allreduce
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
-from threads import run_ranks
+from threads import run_rank_threads
 
 CODECS = ["fp16", "bf16", "truncate16", "int8", "int4"]
 
 
 def run_cluster(cluster, fn, timeout=60):
     """``fn(rank, topology, comm)`` on every in-process rank; results in rank order."""
-    return run_ranks(cluster.size, lambda rank: fn(rank, cluster.topology(rank), cluster.world.communicator(rank)),
-                     timeout)
+    return run_rank_threads(cluster.size, lambda rank: fn(rank, cluster.topology(rank),
+                                                          cluster.world.communicator(rank)), timeout)
 
 
 def inputs_for(size, n, seed):

@@ -13,7 +13,7 @@ from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.pipeline.engine import AppliedStep
 from pipesgd_hvd.pipeline.fusion import TensorSpec
 from scripted_timing import FakeClock
-from threads import run_ranks
+from threads import run_rank_threads
 
 M = 64e6
 FREE = LinkParams(alpha=0.0, bandwidth=float("inf"))
@@ -122,7 +122,7 @@ def test_the_controller_times_both_forms_and_rebuilds_with_the_faster(hier_s, ex
             controller.after_step(engine, [AppliedStep(t, {0: grad.copy()})])
         return probe.timed, rebuilt, controller.decision
 
-    out = run_ranks(4, rank_fn)
+    out = run_rank_threads(4, rank_fn)
     timed, rebuilt, decision = out[0]
     # none first, then each byte codec hierarchical before flat, until the rest cannot matter
     assert timed == expect_timed
@@ -162,7 +162,7 @@ def test_the_optimizer_rebuilds_a_hierarchical_pipeline_when_the_auto_mode_says_
         return before, (engine.config.width, engine.codec.name, engine.config.hierarchical), \
             [p.detach().clone() for p in model.parameters()]
 
-    out = run_ranks(4, rank_fn, timeout=120)
+    out = run_rank_threads(4, rank_fn, timeout=120)
     for before, after, weights in out:
         assert before == (1, None)  # measuring: synchronous, uncompressed
         assert after == (2, "fp16", "float32")

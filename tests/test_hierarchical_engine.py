@@ -12,7 +12,7 @@ from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
 from pipesgd_hvd.pipeline.fusion import TensorSpec
-from threads import run_ranks
+from threads import run_rank_threads
 
 # Buckets of uneven sizes (threshold 4 KiB): 1200, 7, 3001 and 513 + 64 values.
 SHAPES = [(8, 8), (513,), (3001,), (7,), (30, 40)]
@@ -43,7 +43,7 @@ def run(cluster, name, width, steps, node_dtype="float32"):
         engine.close()
         return out
 
-    return run_ranks(cluster.size, rank_fn)
+    return run_rank_threads(cluster.size, rank_fn)
 
 
 @pytest.mark.parametrize("hosts,per_host", [(2, 2), (3, 2)])

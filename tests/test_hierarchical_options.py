@@ -14,7 +14,7 @@ from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import side_region
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from reference import loss_fn, make_batches, make_model
-from threads import run_ranks
+from threads import run_rank_threads
 
 STEPS, LR = 6, 0.1
 
@@ -36,7 +36,7 @@ def train(cluster, name, hierarchical, width=2, steps=STEPS):
         opt.flush()
         return [p.detach().clone() for p in model.parameters()], opt._core.engine
 
-    return run_ranks(cluster.size, rank_fn, timeout=120), batches
+    return run_rank_threads(cluster.size, rank_fn, timeout=120), batches
 
 
 def flagged(inputs, name):

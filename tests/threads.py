@@ -8,7 +8,7 @@ from typing import Any, Callable, List
 from pipesgd_hvd.comm.local import LocalCommunicator, LocalWorld
 
 
-def run_ranks(size: int, fn: Callable[[int], Any], timeout: float = 60) -> List[Any]:
+def run_rank_threads(size: int, fn: Callable[[int], Any], timeout: float = 60) -> List[Any]:
     """``fn(rank)`` on ``size`` threads at once; returns the results in rank order, re-raises the
     first error, and fails where a rank is still running after ``timeout`` s (a collective hangs)."""
     results: List[Any] = [None] * size
@@ -33,5 +33,5 @@ def run_ranks(size: int, fn: Callable[[int], Any], timeout: float = 60) -> List[
 
 
 def run_threads(world: LocalWorld, fn: Callable[[int, LocalCommunicator], Any], timeout: float = 60) -> List[Any]:
-    """``fn(rank, comm)`` on every rank of ``world``: :func:`run_ranks`."""
-    return run_ranks(world.size, lambda rank: fn(rank, world.communicator(rank)), timeout)
+    """``fn(rank, comm)`` on every rank of ``world``: :func:`run_rank_threads`."""
+    return run_rank_threads(world.size, lambda rank: fn(rank, world.communicator(rank)), timeout)
