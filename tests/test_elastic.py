@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pipesgd_hvd.torch as psgd
-from launcher import HOROVODRUN, TESTS, run_command
+from launcher import HOROVODRUN_CHECKED, TESTS, run_command
 from pipesgd_hvd.optimizer import elastic
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.ops.torch import TORCH_OPS
@@ -53,7 +53,7 @@ def test_elastic_worker_joins_then_one_is_killed_and_training_continues(tmp_path
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
-    cmd = [str(HOROVODRUN), "-np", "2", "--min-np", "1", "--max-np", "3", "--gloo",
+    cmd = [*HOROVODRUN_CHECKED, "-np", "2", "--min-np", "1", "--max-np", "3", "--gloo",
            "--host-discovery-script", str(discover),
            sys.executable, str(TESTS / "mp" / "elastic_torch.py"), str(tmp_path), "24", join_host]
     # Gloo's timeout bounds how long the survivor that was not connected to the killed worker

@@ -19,7 +19,7 @@ keras = pytest.importorskip("keras")
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: E402
 
 import pipesgd_hvd.keras as hvd  # noqa: E402
-from launcher import HOROVODRUN, TESTS, run_command  # noqa: E402
+from launcher import HOROVODRUN_CHECKED, TESTS, run_command  # noqa: E402
 from pipesgd_hvd.comm.base import PeerLostError  # noqa: E402
 from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.pipeline.config import PipelineConfig  # noqa: E402
@@ -45,7 +45,7 @@ def elastic_job(tmp_path_factory):
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
-    cmd = [str(HOROVODRUN), "-np", "2", "--min-np", "1", "--max-np", "3", "--gloo",
+    cmd = [*HOROVODRUN_CHECKED, "-np", "2", "--min-np", "1", "--max-np", "3", "--gloo",
            "--host-discovery-script", str(discover),
            sys.executable, str(TESTS / "mp" / "elastic_keras.py"), str(tmp_path), join_host]
     # Gloo's timeout bounds two waits: the survivors' rendezvous with the joining worker, which

@@ -8,8 +8,7 @@ from launcher import assert_passed, run_ranks
 @pytest.mark.multiprocess
 def test_keras_checkpoint_mid_pipeline_restores_bitwise_in_fresh_processes(tmp_path):
     args = [str(tmp_path), "30", "17"]
-    run_ranks("mp/keras_checkpoint.py", *args, "full", timeout=300)
-    run_ranks("mp/keras_checkpoint.py", *args, "part1", timeout=300)
+    run_ranks("mp/keras_checkpoint.py", *args, "full,part1", timeout=300)
     out = run_ranks("mp/keras_checkpoint.py", *args, "part2", timeout=300)
     assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out
 

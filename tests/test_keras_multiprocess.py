@@ -5,11 +5,18 @@ import pytest
 
 from launcher import assert_passed, run_ranks
 
+SCRIPTS = ("keras_pipeline.py", "tf_custom_loop.py", "keras_callbacks.py")
+
+
+@pytest.fixture(scope="module")
+def scripts_out():
+    """The three scripts in one launch (tests/mp/in_one_launch.py: TensorFlow is imported once)."""
+    return run_ranks("mp/in_one_launch.py", *SCRIPTS, timeout=600)
+
 
 @pytest.mark.multiprocess
-def test_model_fit_follows_the_pipelined_rule_with_every_codec_and_saves_a_plain_keras_model():
-    out = run_ranks("mp/keras_pipeline.py", timeout=300)
-    assert_passed(out, [f"keras-rule-{c}" for c in ("sgd-width1-warmup0", "sgd-width2-warmup0", "adam-width2-warmup0",
+def test_model_fit_follows_the_pipelined_rule_with_every_codec_and_saves_a_plain_keras_model(scripts_out):
+    assert_passed(scripts_out, [f"keras-rule-{c}" for c in ("sgd-width1-warmup0", "sgd-width2-warmup0", "adam-width2-warmup0",
                                                      "sgd-width2-warmup3", "sgd-width3-warmup0")]
                    + ["keras-rule-weight-prediction"]
                    + [f"keras-codec-{c}" for c in ("fp16", "bf16", "truncate16", "int8", "int4")]
@@ -17,17 +24,15 @@ def test_model_fit_follows_the_pipelined_rule_with_every_codec_and_saves_a_plain
 
 
 @pytest.mark.multiprocess
-def test_custom_loop_eager_and_traced_and_the_stale_reduction_waits_for_nothing_of_the_step():
-    out = run_ranks("mp/tf_custom_loop.py", timeout=300)
-    assert_passed(out, [f"tf-loop-{m}-width2-warmup{w}" for m in ("eager", "tf.function") for w in (0, 2)]
+def test_custom_loop_eager_and_traced_and_the_stale_reduction_waits_for_nothing_of_the_step(scripts_out):
+    assert_passed(scripts_out, [f"tf-loop-{m}-width2-warmup{w}" for m in ("eager", "tf.function") for w in (0, 2)]
                    + ["tf-loop-int8-eager", "tf-loop-int8-tf.function",
                       "tf-graph-stale-reduction-independent-of-the-step"])
 
 
 @pytest.mark.multiprocess
-def test_horovods_keras_callbacks_work_on_keras_3():
-    out = run_ranks("mp/keras_callbacks.py", timeout=300)
-    assert_passed(out, ["keras-broadcast-callback", "keras-metric-average-callback", "keras-lr-warmup-callback",
+def test_horovods_keras_callbacks_work_on_keras_3(scripts_out):
+    assert_passed(scripts_out, ["keras-broadcast-callback", "keras-metric-average-callback", "keras-lr-warmup-callback",
                          "keras-flush-callback", "keras-load-model", "keras-best-model-checkpoint"])
 
 

@@ -62,14 +62,12 @@ def _run_timed(script: str, *args: str, controller: str, env: dict, timeout: flo
     import os
     import signal
     import subprocess
-    import sys
     import threading
     import time
 
-    from launcher import HOROVODRUN, ROOT, TESTS, rank_env
+    from launcher import ROOT, launch_command, rank_env
 
-    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", f"--{controller}", sys.executable,
-           str(TESTS / script), *args]
+    cmd = launch_command(script, *args, controller=controller)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

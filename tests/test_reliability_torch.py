@@ -502,8 +502,7 @@ def test_mp_replica_drift_is_caught_on_every_rank():
 @pytest.mark.multiprocess
 def test_mp_exact_restart_width2_int8_error_feedback(tmp_path):
     args = [str(tmp_path), "int8", "30", "17"]
-    run_ranks("mp/torch_checkpoint.py", *args, "full")
-    run_ranks("mp/torch_checkpoint.py", *args, "part1")
+    run_ranks("mp/torch_checkpoint.py", *args, "full,part1")
     out = run_ranks("mp/torch_checkpoint.py", *args, "part2")
     assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out
 

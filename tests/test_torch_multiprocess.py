@@ -21,8 +21,7 @@ def test_parity_with_horovod_and_with_the_reference_rule():
 @pytest.mark.parametrize("compression", ["none"])
 def test_checkpoint_mid_pipeline_restores_exactly_in_fresh_processes(tmp_path, compression):
     args = [str(tmp_path), compression, "12", "7"]
-    run_ranks("mp/torch_checkpoint.py", *args, "full")
-    run_ranks("mp/torch_checkpoint.py", *args, "part1")
+    run_ranks("mp/torch_checkpoint.py", *args, "full,part1")
     out = run_ranks("mp/torch_checkpoint.py", *args, "part2")
     assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out
 
@@ -37,8 +36,7 @@ def test_staleness_correction_follows_the_reference_rule_and_real_weights_shows_
 def test_checkpoint_with_staleness_correction_restores_exactly(tmp_path):
     """int8+EF with weight prediction; the model saved holding the prediction and inside real_weights()."""
     args = [str(tmp_path), "int8", "12", "7"]
-    run_ranks("mp/torch_checkpoint.py", *args, "full", "prediction")
-    run_ranks("mp/torch_checkpoint.py", *args, "part1", "prediction")
+    run_ranks("mp/torch_checkpoint.py", *args, "full,part1", "prediction")
     out = run_ranks("mp/torch_checkpoint.py", *args, "part2", "prediction")
     assert "PASS rank0 restored-equals-uninterrupted" in out and "PASS rank1 restored-equals-uninterrupted" in out
 

@@ -4,9 +4,10 @@ The checkpoint holds the in-flight (already reduced) gradient and, with int8/int
 error-feedback residuals, so each rank saves and restores its own file.
 
 Usage: torch_checkpoint.py DIR COMPRESSION TOTAL_STEPS SAVE_AT MODE [PREDICTION], MODE one of
-  full    train TOTAL_STEPS uninterrupted, write each rank's final weights to DIR/full.<rank>.pt
-  part1   train SAVE_AT steps, write model + optimizer state_dict to DIR/ckpt.<rank>.pt, exit
-  part2   (new processes) load DIR/ckpt.<rank>.pt, train to TOTAL_STEPS, compare with DIR/full.<rank>.pt
+  full,part1  train TOTAL_STEPS uninterrupted, write each rank's final weights to DIR/full.<rank>.pt;
+              then, with a new model and optimizer, train SAVE_AT steps, write model + optimizer
+              state_dict to DIR/ckpt.<rank>.pt, exit (the step in flight is not flushed)
+  part2       (new processes) load DIR/ckpt.<rank>.pt, train to TOTAL_STEPS, compare with DIR/full.<rank>.pt
 PREDICTION "prediction": staleness_correction=True; part1 also saves the model inside
 opt.real_weights() (DIR/ckpt-real.<rank>.pt) beside the model as it is between steps (holding the
 prediction), and part2 resumes each in turn; both must continue exactly. Compared: the parameters
@@ -43,7 +44,17 @@ def train(model, opt, start, stop):
         opt.step()
 
 
-if mode == "part1":
+def full():
+    model, opt = build()
+    train(model, opt, 0, total)
+    with opt.real_weights():
+        real = [p.detach().clone() for p in model.parameters()]
+    torch.save([[p.detach() for p in model.parameters()], real], f"{directory}/full.{rank}.pt")
+    passed("full")
+    opt.flush()  # nothing left in flight before part 1 reuses the collective names
+
+
+def part1():
     model, opt = build()
     train(model, opt, 0, save_at)
     state = opt.state_dict()
@@ -59,15 +70,10 @@ if mode == "part1":
         with opt.real_weights():
             torch.save({"model": model.state_dict(), "optimizer": state}, f"{directory}/ckpt-real.{rank}.pt")
     passed("saved")
-elif mode == "full":
-    model, opt = build()
-    train(model, opt, 0, total)
-    with opt.real_weights():
-        real = [p.detach().clone() for p in model.parameters()]
-    torch.save([[p.detach() for p in model.parameters()], real], f"{directory}/full.{rank}.pt")
-    passed("full")
-else:
-    full, full_real = torch.load(f"{directory}/full.{rank}.pt")
+
+
+def part2():
+    uninterrupted, uninterrupted_real = torch.load(f"{directory}/full.{rank}.pt")
     for variant in (["ckpt", "ckpt-real"] if prediction else ["ckpt"]):
         model, opt = build()
         ckpt = torch.load(f"{directory}/{variant}.{rank}.pt", weights_only=False)
@@ -75,11 +81,15 @@ else:
         opt.load_state_dict(ckpt["optimizer"])
         assert opt.engine.step == save_at, (opt.engine.step, save_at)
         train(model, opt, save_at, total)
-        for (name, p), q in zip(model.named_parameters(), full):
+        for (name, p), q in zip(model.named_parameters(), uninterrupted):
             assert torch.equal(p, q), f"{variant}: differs from uninterrupted at {name}: {(p - q).abs().max()}"
         with opt.real_weights():
-            for (name, p), q in zip(model.named_parameters(), full_real):
+            for (name, p), q in zip(model.named_parameters(), uninterrupted_real):
                 assert torch.equal(p, q), f"{variant}: real {name} differs from uninterrupted: {(p - q).abs().max()}"
         assert_replicas_identical(model.parameters(), f"restored-{variant}")
         opt.flush()  # nothing left in flight before the next variant reuses the collective names
     passed("restored-equals-uninterrupted")
+
+
+for part in mode.split(","):
+    {"full": full, "part1": part1, "part2": part2}[part]()
