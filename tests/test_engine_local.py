@@ -2,6 +2,7 @@
 import re
 
 import pytest
+from dataclasses import replace
 import torch
 
 import pipesgd_hvd.torch as psgd
@@ -140,9 +141,9 @@ def _train_recording_grads(compression, set_to_none, steps=6, copy_always=False)
         opt = psgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
                                         named_parameters=model.named_parameters(), width=2,
                                         compression=compression, communicator=comm)
-        if copy_always:  # what write_gradients did before it took tensors over
-            write = opt._adapter.write_gradients
-            opt._adapter.write_gradients = lambda grads, scale, owned=False: write(grads, scale, owned=False)
+        if copy_always:  # what the adapter's write did before it took tensors over
+            write = opt._adapter.write
+            opt._adapter.write = lambda update: write(update if update is None else replace(update, owned=False))
         seen = []
         for t in range(steps):
             opt.zero_grad(set_to_none=set_to_none)

@@ -1,6 +1,8 @@
-"""staleness_correction="split_batch" (ACCO) through the PyTorch optimizer core, on 2 in-process
-ranks, against a plain torch reference of the rule written here without the engine (bitwise), at
-widths 1 and 2; and its flush, checkpoint, real weights and refusals."""
+"""staleness_correction="split_batch", the accurate mode (one all-reduce per update, each rank's
+look-ahead from its own gradient: pipesgd_hvd/staleness/split_batch.py), through the PyTorch
+optimizer core on 2 and 3 in-process ranks, against a plain torch reference of the rule written
+here without the engine (bitwise); and its pairing at width 1 and in warm-up, flush, checkpoints
+mid-pair, real weights, replicas, a GradScaler, and refusals."""
 import copy
 
 import pytest
@@ -9,10 +11,11 @@ import torch
 import pipesgd_hvd.torch as psgd
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.ops.torch import TORCH_OPS
-from reference import loss_fn, make_batches, make_model, mean_gradient
+from reference import loss_fn, make_batches, make_model
 from threads import run_threads
 
-CALLS = 9  # odd: the run ends after a virtual step, so flush() applies a real one
+CALLS = 11  # odd: the run ends after a call A (a part kept), so flush() reduces it on its own
+FRESH = 0.5
 
 
 def sgd(params):
@@ -23,71 +26,92 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def reference_split(make_inner, batches, calls, warmup=0, flush=True):
-    """Final weights of the rule run from the start (see :func:`run_reference`)."""
+def gradient_at(model, weights, batch):
+    """The gradient of ``batch``'s loss at ``weights`` (written into ``model`` first)."""
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)
+    model.zero_grad()
+    loss_fn(model, batch).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def average(per_rank):
+    """Rank order, then 1/N: what an averaging all-reduce computes."""
+    out = []
+    for i in range(len(per_rank[0])):
+        acc = per_rank[0][i].clone()
+        for grads in per_rank[1:]:
+            acc = acc + grads[i]
+        out.append(acc * (1.0 / len(per_rank)))
+    return out
+
+
+def reference(make_inner, batches, calls, ranks, warmup=0, width=2, flush=True, fresh=FRESH):
+    """The rule written out with plain torch: the real weights theta and one optimizer (its state
+    s); per rank, the point its part A is computed at (its look-ahead, or theta). Calls pair up:
+    A keeps its gradient and applies the update in flight; B averages (1 - f) g_A + f g_B over the
+    ranks, which is reduced in flight while each rank steps from theta to its own look-ahead with
+    its own sum, the optimizer's state put back afterwards (a deep copy of its state dict here).
+    Synchronous pairs (warm-up updates, width 1) apply the average at B. Returns theta."""
     model = make_model()
-    run_reference(model, make_inner(model.parameters()), batches[:calls], warmup, flush)
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def run_reference(model, opt, batches, warmup=0, flush=True):
-    """The rule of pipesgd_hvd/staleness/split_batch.py, written out with plain torch on ``model``
-    and ``opt``: every call's averaged gradient is applied by the next call, alternately by a
-    virtual step from theta_t (the optimizer's state put back afterwards: a deep copy of its state
-    dict here) and by the real step from theta_t with the mean of both halves. Warm-up calls apply
-    their own gradient; flush applies the real step, or a lone look-ahead half as it is."""
+    opt = make_inner(model.parameters())
     params = list(model.parameters())
-    real, first, pending = None, None, None
+    theta = [p.detach().clone() for p in params]
+    points, kept, in_flight = None, None, None
 
-    def update(grads):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-
-    def apply(avg):
-        nonlocal real, first
+    def step(grads):
         with torch.no_grad():
-            if real is None:  # virtual: theta_t kept aside, the optimizer's state undone
-                real, first = [p.detach().clone() for p in params], avg
+            for p, w, g in zip(params, theta, grads):
+                p.copy_(w)
+                p.grad = g.clone()
+        opt.step()
+        return [p.detach().clone() for p in params]
+
+    for c in range(calls):
+        update = c // 2
+        if c % 2 == 0:  # part A
+            kept = [[g * (1.0 - fresh) for g in gradient_at(model, points[r] if points else theta, batches[c][r])]
+                    for r in range(ranks)]
+            if in_flight is not None:
+                theta = step(in_flight)
+            points, in_flight = None, None
+        else:           # part B, at theta
+            local = [[a + g * fresh for a, g in zip(kept[r], gradient_at(model, theta, batches[c][r]))]
+                     for r in range(ranks)]
+            kept = None
+            if width == 1 or update < warmup:
+                theta = step(average(local))
+                continue
+            in_flight = average(local)
+            points = []
+            for r in range(ranks):
                 state = copy.deepcopy(opt.state_dict())
-                update(avg)
+                points.append(step(local[r]))
                 opt.load_state_dict(state)
-            else:             # real: from theta_t with (avg A + avg B) / 2
-                for p, w in zip(params, real):
-                    p.copy_(w)
-                update([(a + b) * 0.5 for a, b in zip(first, avg)])
-                real = None
-
-    for t, batch in enumerate(batches):
-        mean = mean_gradient(model, batch)  # at the weights the model holds now
-        if t < warmup:
-            update(mean)
-            continue
-        if pending is not None:
-            apply(pending)
-        pending = mean
-    if flush and pending is not None:
-        if real is None:
-            update(pending)
-        else:
-            apply(pending)
+    if flush and in_flight is not None:
+        theta = step(in_flight)
+    elif flush and kept is not None:
+        theta = step(average([[g * (1.0 / (1.0 - fresh)) for g in k] for k in kept]))
+    return theta
 
 
-def train_ranks(make_inner, calls=CALLS, ranks=2, width=2, flush=True, **options):
+def train_ranks(make_inner, calls=CALLS, ranks=2, flush=True, **options):
     world, batches = LocalWorld(ranks, TORCH_OPS), make_batches(calls, ranks)
 
     def rank_fn(rank, comm):
         model = make_model()
         opt = psgd.DistributedOptimizer(make_inner(model.parameters()), named_parameters=model.named_parameters(),
-                                        communicator=comm, width=width, staleness_correction="split_batch",
-                                        **options)
+                                        communicator=comm, staleness_correction="split_batch",
+                                        **{"width": 2, **options})
         for t in range(calls):
             opt.zero_grad()
             loss_fn(model, batches[t][rank]).backward()
             opt.step()
         if flush:
             opt.flush()
-        return [p.detach().clone() for p in model.parameters()]
+        with opt.real_weights():
+            return [p.detach().clone() for p in model.parameters()]
 
     return run_threads(world, rank_fn), batches
 
@@ -98,22 +122,23 @@ def assert_same(got, want):
 
 
 @pytest.mark.parametrize("make_inner", [sgd, adamw], ids=["sgd-momentum", "adamw"])
-@pytest.mark.parametrize("calls", [CALLS, CALLS + 1], ids=["ends-after-virtual", "ends-after-real"])
-def test_split_batch_matches_the_reference_rule_on_two_ranks(make_inner, calls):
-    got, batches = train_ranks(make_inner, calls=calls)
-    want = reference_split(make_inner, batches, calls)
+@pytest.mark.parametrize("calls", [CALLS, CALLS + 1], ids=["ends-after-a", "ends-after-b"])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_split_batch_matches_the_reference_rule(make_inner, calls, ranks):
+    got, batches = train_ranks(make_inner, calls=calls, ranks=ranks)
+    want = reference(make_inner, batches, calls, ranks)
     for weights in got:
         assert_same(weights, want)
 
 
-def test_split_batch_differs_from_plain_width_2():
+def test_split_batch_is_not_plain_width_2_nor_acco():
     got, batches = train_ranks(adamw)
     world = LocalWorld(2, TORCH_OPS)
 
-    def plain(rank, comm):
+    def other(rank, comm, **options):
         model = make_model()
         opt = psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
-                                        communicator=comm, width=2)
+                                        communicator=comm, width=2, **options)
         for t in range(CALLS):
             opt.zero_grad()
             loss_fn(model, batches[t][rank]).backward()
@@ -121,126 +146,116 @@ def test_split_batch_differs_from_plain_width_2():
         opt.flush()
         return [p.detach().clone() for p in model.parameters()]
 
-    delayed = run_threads(world, plain)[0]
-    assert not all(torch.equal(a, b) for a, b in zip(got[0], delayed)), "split_batch changed nothing"
+    for options in ({}, {"staleness_correction": "acco"}):
+        theirs = run_threads(world, lambda r, c: other(r, c, **options))[0]
+        assert not all(torch.equal(a, b) for a, b in zip(got[0], theirs)), f"split_batch is {options}"
 
 
-def test_split_batch_leaves_warm_up_calls_synchronous():
-    got, batches = train_ranks(adamw, warmup_steps=3)
-    assert_same(got[0], reference_split(adamw, batches, CALLS, warmup=3))
+def test_warm_up_counts_updates_of_two_calls_each():
+    got, batches = train_ranks(adamw, warmup_steps=2)
+    assert_same(got[0], reference(adamw, batches, CALLS, 2, warmup=2))
 
 
-def test_split_batch_at_width_1_is_synchronous_bit_for_bit():
-    world, batches = LocalWorld(2, TORCH_OPS), make_batches(5, 2)
-
-    def rank_fn(rank, comm, **options):
-        model = make_model()
-        opt = psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
-                                        communicator=comm, width=1, **options)
-        for t in range(5):
-            opt.zero_grad()
-            loss_fn(model, batches[t][rank]).backward()
-            opt.step()
-        return [p.detach().clone() for p in model.parameters()]
-
-    plain = run_threads(world, rank_fn)
-    split = run_threads(LocalWorld(2, TORCH_OPS), lambda r, c: rank_fn(r, c, staleness_correction="split_batch"))
-    assert_same(split[0], plain[0])
-    assert_same(split[1], plain[0])
+def test_width_1_makes_each_pair_one_synchronous_update_of_the_whole_batch():
+    """What a call means does not change with the width: at width 1 the pair is Horovod's
+    synchronous update of both halves (the mean of the two parts)."""
+    got, batches = train_ranks(sgd, calls=CALLS + 1, width=1)
+    assert_same(got[0], reference(sgd, batches, CALLS + 1, 2, width=1))
 
 
-def test_a_flush_mid_training_ends_the_pair_and_training_goes_on():
-    """flush() after call 5 (a virtual step in flight: its real step is applied), then 4 more calls
-    from a fresh pipeline, against the reference run as two runs back to back."""
-    world, batches = LocalWorld(2, TORCH_OPS), make_batches(9, 2)
+def test_int8_replicas_stay_identical_and_the_look_aheads_differ():
+    world, batches = LocalWorld(2, TORCH_OPS), make_batches(6, 2)
 
     def rank_fn(rank, comm):
         model = make_model()
         opt = psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
-                                        communicator=comm, width=2, staleness_correction="split_batch")
-        for t in range(9):
+                                        communicator=comm, width=2, staleness_correction="split_batch",
+                                        compression=psgd.Compression.int8)
+        for t in range(6):  # ends after a call B: the model holds this rank's look-ahead
             opt.zero_grad()
             loss_fn(model, batches[t][rank]).backward()
             opt.step()
-            if t == 4:
-                assert opt.flush() == 1
+        ahead = [p.detach().clone() for p in model.parameters()]
+        with opt.real_weights():
+            real = [p.detach().clone() for p in model.parameters()]
         opt.flush()
-        return [p.detach().clone() for p in model.parameters()]
+        return ahead, real, [p.detach().clone() for p in model.parameters()]
 
-    got = run_threads(world, rank_fn)
-    model = make_model()
-    opt = adamw(model.parameters())
-    run_reference(model, opt, batches[:5])  # the first run ends with flush(), as above
-    run_reference(model, opt, batches[5:])
-    assert_same(got[0], [p.detach().clone() for p in model.parameters()])
+    (ahead0, real0, end0), (ahead1, real1, end1) = run_threads(world, rank_fn)
+    assert_same(real0, real1)
+    assert_same(end0, end1)
+    assert not all(torch.equal(a, b) for a, b in zip(ahead0, ahead1)), "each rank's look-ahead is its own"
 
 
-def test_real_weights_shows_theta_t_and_puts_the_look_ahead_back():
+def test_real_weights_shows_theta_and_puts_the_look_ahead_back():
     world, batches = LocalWorld(1, TORCH_OPS), make_batches(4, 1)
     model = make_model()
     opt = psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
                                     communicator=world.communicator(0), width=2, staleness_correction="split_batch")
-    for t in range(2):  # fill, then a virtual step: the model holds the look-ahead
+    for t in range(2):  # a pair: the model holds the look-ahead, update 0 in flight
         opt.zero_grad()
         loss_fn(model, batches[t][0]).backward()
         opt.step()
     look_ahead = [p.detach().clone() for p in model.parameters()]
-    real = [s.clone() for s in opt.core.split.real]
+    real = [s.clone() for s in opt.core.correction.real]
     assert not all(torch.equal(a, b) for a, b in zip(look_ahead, real))
     with opt.real_weights():
         assert_same([p.detach() for p in model.parameters()], real)
         assert torch.is_grad_enabled()
     assert_same([p.detach() for p in model.parameters()], look_ahead)
+    opt.flush()
 
 
-def test_checkpoint_mid_pair_resumes_bit_for_bit(tmp_path):
-    """A checkpoint after a virtual step (the model holds the look-ahead, avg B in flight), saved
-    inside real_weights() even, resumes to the same weights as an uninterrupted run."""
-    world, batches = LocalWorld(1, TORCH_OPS), make_batches(8, 1)
+@pytest.mark.parametrize("stop_at", [5, 6], ids=["after-a", "after-b"])
+def test_checkpoint_mid_pair_resumes_bit_for_bit(tmp_path, stop_at):
+    """After a call A (its part kept, this rank's own) or a call B (the look-ahead in the model,
+    the update in flight), saved inside real_weights() even: the same weights as a run that never
+    stopped, on both ranks."""
+    world, batches = LocalWorld(2, TORCH_OPS), make_batches(10, 2)
 
-    def run(stop_at=None, resume=None):
+    def rank_fn(rank, comm, stop=None, resume=None):
         model = make_model()
         opt = psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
-                                        communicator=world.communicator(0), width=2,
-                                        staleness_correction="split_batch")
+                                        communicator=comm, width=2, staleness_correction="split_batch")
         start = 0
         if resume is not None:
-            model.load_state_dict(resume["model"])
-            opt.load_state_dict(resume["opt"])
-            start = resume["t"]
-        for t in range(start, 8):
+            saved = torch.load(resume[rank], weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            start = saved["t"]
+        for t in range(start, 10):
             opt.zero_grad()
-            loss_fn(model, batches[t][0]).backward()
+            loss_fn(model, batches[t][rank]).backward()
             opt.step()
-            if t + 1 == stop_at:
+            if t + 1 == stop:
                 with opt.real_weights():
-                    saved = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
-                             "t": t + 1}
-                return saved
+                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "t": t + 1},
+                               tmp_path / f"r{rank}.pt")
+                return None
         opt.flush()
         return [p.detach().clone() for p in model.parameters()]
 
-    whole = run()
-    saved = run(stop_at=4)  # calls 0..3: the last one, call 3, made a virtual step
-    assert saved["opt"]["pipesgd"]["corrections"]["active"]
-    torch.save(saved, tmp_path / "ckpt.pt")
-    assert_same(run(resume=torch.load(tmp_path / "ckpt.pt", weights_only=False)), whole)
+    whole = run_threads(world, rank_fn)
+    run_threads(LocalWorld(2, TORCH_OPS), lambda r, c: rank_fn(r, c, stop=stop_at))
+    paths = [tmp_path / f"r{r}.pt" for r in range(2)]
+    resumed = run_threads(LocalWorld(2, TORCH_OPS), lambda r, c: rank_fn(r, c, resume=paths))
+    for got in resumed:
+        assert_same(got, whole[0])
 
 
-def test_int8_replicas_stay_identical():
-    got, _ = train_ranks(adamw, compression=psgd.Compression.int8)
-    assert_same(got[0], got[1])
+def test_a_flush_after_a_call_a_reduces_its_part_as_an_update_of_its_own():
+    got, batches = train_ranks(sgd, calls=7)
+    assert_same(got[0], reference(sgd, batches, 7, 2))
+    assert_same(got[1], got[0])
 
 
 @pytest.mark.parametrize("options, words", [
     ({"width": 3}, "needs width=2"),
-    ({"width": "auto"}, "does not support width='auto'"),
-    ({"grad_scaler": torch.amp.GradScaler("cpu")}, "does not support grad_scaler"),
+    ({"fresh_fraction": 1.0}, "fresh_fraction must be a number between 0 and 1"),
 ])
-def test_split_batch_refusals_name_the_fix(options, words):
+def test_refusals_name_the_fix(options, words):
     model = make_model()
-    world = LocalWorld(1, TORCH_OPS)
     with pytest.raises(ValueError, match=words):
         psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
-                                  communicator=world.communicator(0), staleness_correction="split_batch",
-                                  **{"width": 2, **options})
+                                  communicator=LocalWorld(1, TORCH_OPS).communicator(0),
+                                  staleness_correction="split_batch", **{"width": 2, **options})

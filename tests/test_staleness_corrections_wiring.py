@@ -226,8 +226,9 @@ def wrap_one(inner=None, **options):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"staleness_correction": "delay"}, "staleness_correction must be False, True, 'auto' or 'weight_prediction' / "
-                                        "'adam_prediction' / 'delay_compensation' / 'eager' / 'split_batch'"),
+    ({"staleness_correction": "delay"}, "staleness_correction must be False, True, 'auto' or 'acco' / "
+                                        "'adam_prediction' / 'delay_compensation' / 'eager' / 'split_batch' / "
+                                        "'weight_prediction', got 'delay'"),
     ({"staleness_correction": "delay_compensation", "dc_lambda": -1}, "dc_lambda must be a finite number >= 0"),
     ({"staleness_correction": "eager", "op": "sum"}, "needs op=hvd.Average .*drop op=hvd.Sum"),
     ({"staleness_correction": "eager", "check_replicas_every": 5}, "set check_replicas_every=0"),

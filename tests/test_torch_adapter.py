@@ -227,7 +227,7 @@ def test_grad_scaler_without_synchronize_is_a_clear_error():
 
 
 def test_staleness_correction_argument_and_resuming_with_it_switched_on_or_off():
-    with pytest.raises(ValueError, match="staleness_correction must be False, True, 'auto' or 'weight_prediction'"):
+    with pytest.raises(ValueError, match="staleness_correction must be False, True, 'auto' or 'acco' / 'adam_prediction'"):
         wrap(make_model(), staleness_correction="yes")
     batches = make_batches(6, 1)
 
@@ -289,11 +289,12 @@ def test_checkpoint_entry_is_format_2_and_format_1_still_loads():
         opt.step()
     state = opt.state_dict()
     entry = state["pipesgd"]
-    assert entry["format"] == 2 and entry["prediction"]["started"] and entry["auto"] is None
+    saved = entry["corrections"]
+    assert entry["format"] == 2 and saved["kind"] == "weight_prediction" and saved["started"] and entry["auto"] is None
     assert len(entry["in_flight"]) == 1 and entry["step"] == 4
-    old = dict(state)
-    old["pipesgd"] = {k: v for k, v in entry.items() if k not in ("auto", "prediction")} | {"format": 1}
-    old["pipesgd_prediction"] = entry["prediction"]
+    old = dict(state)  # format 1: the prediction's state (without a kind) in a key of its own
+    old["pipesgd"] = {k: v for k, v in entry.items() if k not in ("auto", "prediction", "corrections")} | {"format": 1}
+    old["pipesgd_prediction"] = {k: v for k, v in saved.items() if k not in ("kind", "real_weights")}
 
     def resume(saved):
         resumed_model = make_model()

@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol
 from ..ops.base import MutableTensorOps, Tensor, TensorOps
 from ..pipeline.fusion import TensorSpec
 from ..staleness.prediction import AdamState
-from ..staleness.split_batch import OptimizerSnapshot
+from ..staleness.correction import OptimizerSnapshot
 
 
 class FrameworkSide(Protocol):
@@ -33,8 +33,8 @@ class FrameworkSide(Protocol):
         """Its :class:`~pipesgd_hvd.staleness.prediction.AdamState` for tensor ``index`` (None
         before its first update), for ``staleness_correction="adam_prediction"``."""
     def optimizer_snapshot(self) -> OptimizerSnapshot:
-        """The wrapped optimizer's state saved and put back around the split-batch rule's virtual
-        update (:mod:`pipesgd_hvd.staleness.split_batch`)."""
+        """The wrapped optimizer's state saved and put back around a look-ahead's virtual update
+        (:mod:`pipesgd_hvd.staleness.split_batch`, :mod:`pipesgd_hvd.staleness.acco`)."""
 
 
 class TrainingAdapter(FrameworkSide, Protocol):
@@ -50,18 +50,15 @@ class TrainingAdapter(FrameworkSide, Protocol):
     def has_local_gradient(self, index: int) -> bool: ...
     def local_gradient(self, index: int) -> Tensor:
         """This rank's gradient of the tensor (it has one), checked and dense."""
-    def write_gradients(self, grads: Dict[int, Tensor], scale: Any, owned: bool = False) -> None:
-        """Put the averaged gradients (times ``scale``: a float, 1.0 for none, or a 0-d tensor)
-        where the update reads them; tensors missing from ``grads`` get none. ``owned``: the
-        tensors' memory is the adapter's now (see :class:`~pipesgd_hvd.pipeline.engine.AppliedStep`),
-        so they may become the gradients without a copy."""
-    def zero_gradients(self) -> None: ...
-    def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Run the wrapped optimizer's update on the written gradients."""
+    def apply(self, update: Any, check_finite: bool) -> bool:
+        """Writes ``update`` (an :class:`~pipesgd_hvd.optimizer.core.Update`; None: the gradients
+        are written already) where the wrapped optimizer reads it and runs its step; with
+        ``check_finite`` skips the step where a gradient is not finite (a loss scale's overflow at
+        ``flush()``). Returns whether the step ran. The rarer paths only (flush, join, exit): the
+        framework drives the steady steps itself."""
     def loss_scale(self) -> Any:
         """The AMP loss scale now (None without one): a float, or a 0-d tensor on the device
         where the framework keeps it (the ratio of two scales is then computed there, no sync)."""
-    def gradients_finite(self) -> bool: ...
     def gradients_all_zero(self) -> bool:
         """Every present gradient is zero (how Horovod's broadcast_optimizer_state creates state)."""
     def optimizer_has_state(self) -> bool:

@@ -1,30 +1,36 @@
 """The pipelined optimizer's per-step policy for frameworks whose step runs in Python (PyTorch),
 written once and framework-free: a framework plugs in through
-:class:`~pipesgd_hvd.optimizer.adapter.TrainingAdapter`.
+:class:`~pipesgd_hvd.optimizer.adapter.TrainingAdapter` and drives the steps itself, as Horovod's
+optimizer does (``step -> synchronize -> the wrapped optimizer's step``).
 
-Per step::
+Per call of ``step()``::
 
-    adapter hooks  -> core.gradient_ready(i)    as each local gradient is produced (backward pass)
-    user / adapter -> core.synchronize()         end the step's communication; the gradient to
-                                                 apply now (step t-K+1's average) is written
-    user / adapter -> core.step(closure)         run the wrapped optimizer's update on it, or
-                                                 nothing while the pipeline fills
+    adapter hooks  -> core.gradient_ready(i)        as each local gradient is produced
+    framework      -> update = core.synchronize(s)  end the call's communication; the gradients to
+                                                    apply now (the average of step t-K+1, as the
+                                                    staleness correction hands it), or None
+    framework      -> writes update's gradients, then
+                      with core.updating(): the wrapped optimizer's step   (or core.no_update())
+
+The framework asks its own tensors once per call (the loss scale ``s``) and passes the values
+down; nothing here calls back into it in that steady state. Only the rarer paths (``flush()``,
+``join()``, exit) ask the adapter to apply an update (:meth:`TrainingAdapter.apply`).
 
 On top of :class:`~pipesgd_hvd.optimizer.lifecycle.PipelineLifecycle` (the engine's life, auto mode,
-checkpoint entry, elastic), the core owns the fill/apply bookkeeping (a step that has nothing
-to apply yet, a GradScaler that skipped a step, older steps applied early when the width
-shrinks), backward-pass counting, flush-and-apply, the sequencing of weight prediction around
-the update, and what happens at interpreter exit.
+checkpoint entry, elastic), the core owns the fill/apply bookkeeping (a call that has nothing to
+apply yet, a GradScaler that skipped a step, older steps applied early when the width shrinks),
+backward-pass counting, flush-and-apply, the moments at which the staleness correction
+(:class:`~pipesgd_hvd.staleness.correction.Correction`) is called, and what happens at exit.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import os
 import sys
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
 
 from ..comm.base import Communicator, exit_if_stuck
@@ -33,11 +39,24 @@ from ..ops.base import Tensor
 from ..pipeline.config import PipelineConfig
 from ..pipeline.engine import AppliedStep, PipelineEngine
 from ..pipeline.stall import StallInspector
+from ..staleness.correction import Call, Grads
 from . import checkpoint
 from .adapter import TrainingAdapter
 from .elastic import is_elastic_job
 from .lifecycle import PipelineLifecycle, call_at_exit
 from .options import PipelineOptions
+
+
+@dataclass
+class Update:
+    """The gradients one update applies: ``grads`` by tensor index (a tensor missing: no
+    gradient), to be multiplied by ``scale`` (the float 1.0, a float, or a 0-d tensor: the ratio
+    of loss scales, now over when they were computed) as they are written. ``owned``: their
+    memory is the framework's now (see :class:`~pipesgd_hvd.pipeline.engine.AppliedStep`)."""
+
+    grads: Dict[int, Tensor]
+    scale: Any = 1.0
+    owned: bool = False
 
 
 def _dropped(held: List[Any], adapter: TrainingAdapter) -> None:
@@ -67,7 +86,6 @@ SYNCHRONIZE_THEN_STEP = ("optimizer.step() called without optimizer.skip_synchro
                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
-
 class OptimizerCore(PipelineLifecycle):
     """One pipelined optimizer's state and per-step policy (see the module docstring)."""
 
@@ -78,11 +96,13 @@ class OptimizerCore(PipelineLifecycle):
         self.adapter = adapter
         self._inspector: Optional[StallInspector] = None  # one per transport, kept across engines
         super().__init__(options, names, comm, adapter, comm_factory)
-        self._weights_predicted = False  # the tensors hold the prediction, not the real weights
         self._passes = [0] * len(self.names)
+        self._call_open = False          # a gradient of this call arrived (its hooks ran)
+        self._handed: set = set()        # tensors whose gradient this call handed in
+        self._feeds = True               # this call hands its gradients to the pipeline
         self._synchronized = False       # synchronize() ran; step() has not
-        self._apply_pending = False      # synchronize() wrote a gradient that step() must apply
-        self._stepped = False            # a pipelined step has happened
+        self._apply_pending = False      # synchronize() prepared an update that step() must run
+        self._call: Optional[Call] = None  # the correction's view of the synchronized call
         self.should_synchronize = True   # False inside skip_synchronize()
         self._resume_checked = False     # the ranks compared their pipeline state since the last load
         self._last_membership: Optional[Callable[[], List[bool]]] = None  # of the latest step applied
@@ -115,11 +135,11 @@ class OptimizerCore(PipelineLifecycle):
 
     @property
     def engine(self) -> PipelineEngine:
-        return self.pipeline  # type: ignore[return-value]
+        return self._held[0]  # type: ignore[no-any-return]
 
     def check_tensors_can_change(self) -> None:
         """Raises once training has started: the tensor list is fixed from the first step on."""
-        if self.engine.step > 0 or self.engine.step_open:
+        if self.engine.step > 0 or self.engine.step_open or self._call_open:
             raise RuntimeError("add_param_group() after training started is not supported by pipesgd_hvd: add all "
                                "parameter groups before the first step, and freeze or unfreeze parameters with "
                                "requires_grad instead")
@@ -138,13 +158,8 @@ class OptimizerCore(PipelineLifecycle):
     def gradient_ready(self, index: int) -> None:
         """Tensor ``index``'s local gradient was produced (a backward-pass hook). Issues no
         collective, so it may run inside the framework's backward pass."""
-        engine = self.engine  # (a post-accumulate hook: the tensor has its gradient)
-        if not engine.step_open:
-            if self._synchronized:
-                # The last synchronized step was never applied: GradScaler.step() skips
-                # optimizer.step() when the (identical on every rank) gradient is not finite.
-                self._synchronized = self._apply_pending = False
-            engine.begin_step(self.adapter.trainable())
+        if not self._call_open:
+            self._open_call()
         passes = self._passes[index] + 1
         if passes > self.options.backward_passes_per_step:
             raise RuntimeError(f"gradients of '{self.names[index]}' were computed more than "
@@ -152,98 +167,172 @@ class OptimizerCore(PipelineLifecycle):
                                "step(); increase backward_passes_per_step to accumulate gradients locally")
         self._passes[index] = passes
         if passes == self.options.backward_passes_per_step:
-            engine.add_gradient_(index, self.adapter.local_gradient(index))
+            self._hand_in(index, self.adapter.local_gradient(index))
 
-    def synchronize(self) -> None:
-        """End this step's communication and write the gradient to apply now: the average of step
-        t-K+1 (zeros while the pipeline fills; step() then applies nothing)."""
+    def _open_call(self) -> None:
+        """The call's first gradient: a synchronized call whose step() never came was skipped
+        (GradScaler.step() skips optimizer.step() when the gradient, identical on every rank or
+        this rank's own, is not finite); the correction says where this call's gradients go."""
         if self._synchronized:
-            return
+            self._synchronized = self._apply_pending = False
+            if self._call is not None:
+                with self.adapter.weights_guard():
+                    self.correction.update_skipped(self._call)
+                self._call = None
+        self._call_open = True
+        self._handed = set()
+        correction = self.correction
+        self._feeds = bool(correction.feeds())
+        if correction.transforms_input:
+            correction.begin_call(self.adapter.loss_scale())
+
+    def _hand_in(self, index: int, grad: Tensor) -> None:
+        self._handed.add(index)
+        correction = self.correction
+        if correction.transforms_input:
+            with self.adapter.weights_guard():
+                grad = correction.local_(index, grad)
+        if self._feeds:
+            engine = self.engine
+            if not engine.step_open:
+                engine.begin_step(self.adapter.trainable())
+            engine.add_gradient_(index, grad)
+
+    def synchronize(self, loss_scale: Any = None) -> Optional[Update]:
+        """End this call's communication and return the update to apply now (None: nothing
+        while the pipeline fills; the framework writes zero gradients then, and step() applies
+        nothing). ``loss_scale``: the AMP loss scale now (None without one), read by the
+        framework once per call. Calling it again before step() returns None."""
+        if self._synchronized:
+            return None
         if self.auto_controller is not None:
             self.auto_controller.reduction_started()
         engine = self.engine
-        if engine.replica_check_due():  # weights after the previous step's update, on every rank
-            engine.check_replicas(self.adapter.replica_fingerprints())
-        if not engine.step_open:
+        if engine.replica_check_due():  # the real weights after the previous update, on every rank
+            with self.real_weights():
+                engine.check_replicas(self.adapter.replica_fingerprints())
+        if not self._call_open:
             trainable = self.adapter.trainable()
             if not any(self.adapter.has_local_gradient(i) for i in trainable):
                 raise RuntimeError("step()/synchronize() was called without a backward pass since the last step: "
                                    "call loss.backward() before every step() on every rank (to skip a batch, skip "
                                    "both on all ranks)")
-            engine.begin_step(trainable)
-        trainable = engine.open_indices
-        if engine.missing_gradients:
-            # Gradients whose hook did not fire (set by hand, or a tensor unfrozen since the hooks
-            # were registered) are taken as they are, as Horovod's synchronize() does.
-            for i in trainable:
-                if not engine.has_gradient(i) and self.adapter.has_local_gradient(i):
-                    engine.add_gradient_(i, self.adapter.local_gradient(i))
+            self._open_call()
+        self._hand_in_missing(engine)
         self._passes = [0] * len(self.names)
-        if trainable != self._watched:  # tensors unfrozen since: their hooks start now
-            self.adapter.watch_gradients(self.gradient_ready)
-            self._watched = trainable
         if not self._resume_checked:
             self._agree_on_resumed_state()
         this_step = engine.step
-        scale = self.adapter.loss_scale()  # read once: the step's meta and the rescale of older steps
-        applied = engine.end_step(meta=scale)
+        if self._feeds:
+            applied = engine.end_step(meta=loss_scale)
+        else:
+            applied = engine.drain() if self.correction.takes() else []
+        self._call_open = False
         if self.auto_controller is not None:  # at a check: flushed steps to apply; maybe a new engine
             applied = applied + self.auto_controller.after_step(engine, applied)
-        self._note_training(applied)
-        self._restore_real_weights()  # the gradients were computed at the prediction: update the real weights
-        if self.correction is not None:  # before _write: .grad still holds this step's local gradients
-            applied = self._corrected(this_step, applied)
-        if self.split is not None and applied:  # a real step writes theta_t back first
-            with self.adapter.weights_guard():
-                last = applied[-1]
-                applied[-1] = self._with_grads(last, self.split.gradients(
-                    self._grad_list(last), self.adapter.weights(), stale=last.step != this_step))
+        if applied and applied[-1].membership is not None:
+            self._last_membership = applied[-1].membership
         for early in applied[:-1]:  # only when the width shrinks: apply older steps right away
-            self._write(early, scale)
-            self.adapter.apply_update()
-        self._apply_pending = bool(applied)
-        if applied:
-            self._write(applied[-1], scale)
-        else:
-            # Nothing to apply while the pipeline fills: zero gradients (not None, so that code run
-            # between synchronize() and step(), e.g. GradScaler.unscale_, sees finite gradients);
-            # step() will not run the wrapped optimizer on them.
-            self.adapter.zero_gradients()
+            self.adapter.apply(self._settled(early, loss_scale), False)
+        last = applied[-1] if applied else None
+        pipelined = self._feeds and (last is None or last.step != this_step)
+        call = Call(step=this_step, stale=last is not None and last.step != this_step,
+                    stale_step=last.step if last is not None else this_step, applies=last is not None,
+                    pipelined=pipelined, local=self._local_gradients() if self.correction.needs_local else None)
+        grads: Grads = [None] * len(self.names) if last is None else [last.grads.get(i) for i in range(len(self.names))]
+        with self.adapter.weights_guard():
+            grads, applies = self.correction.before_update(call, grads)
+        self._call = call
         self._synchronized = True
-        self._stepped = True
+        self._apply_pending = bool(applies)
+        if not self._apply_pending:
+            return None
+        if last is not None and grads is not None and all(g is last.grads.get(i) for i, g in enumerate(grads)):
+            return Update(last.grads, self._ratio(last, loss_scale), owned=last.owned)
+        return Update({i: g for i, g in enumerate(grads) if g is not None}, self._ratio(last, loss_scale))
+
+    def _hand_in_missing(self, engine: PipelineEngine) -> None:
+        """Gradients whose hook did not fire (set by hand, or a tensor unfrozen since the hooks
+        were registered) are taken as they are, as Horovod's synchronize() does; a correction
+        may hand in what it kept of an earlier call for a tensor without a gradient in this one."""
+        if self._feeds and not engine.step_open:
+            engine.begin_step(self.adapter.trainable())
+        trainable = engine.open_indices if self._feeds else self.adapter.trainable()
+        if len(self._handed) < len(trainable):
+            for i in trainable:
+                if i in self._handed:
+                    continue
+                if self.adapter.has_local_gradient(i):
+                    self._hand_in(i, self.adapter.local_gradient(i))
+                elif self._feeds and self.correction.transforms_input:
+                    kept = self.correction.kept_gradient(i)
+                    if kept is not None:
+                        engine.add_gradient_(i, kept)
+        if trainable != self._watched:  # tensors unfrozen since: their hooks start now
+            self.adapter.watch_gradients(self.gradient_ready)
+            self._watched = trainable
+
+    def _local_gradients(self) -> Grads:
+        adapter = self.adapter
+        trainable = set(adapter.trainable())
+        return [adapter.local_gradient(i) if i in trainable and adapter.has_local_gradient(i) else None
+                for i in range(len(self.names))]
+
+    @staticmethod
+    def _ratio(applied: Optional[AppliedStep], scale_now: Any) -> Any:
+        """The ratio of loss scales a step's gradients are multiplied by (1.0 without a scale);
+        floats, or device tensors divided on the device (no sync)."""
+        if applied is None or applied.meta is None or scale_now is None:
+            return 1.0
+        return scale_now / applied.meta
+
+    def _settled(self, applied: AppliedStep, scale_now: Any) -> Update:
+        """An in-flight step applied on its own (flush, or older steps when the width shrinks)."""
+        with self.adapter.weights_guard():
+            grads = self.correction.settle([applied.grads.get(i) for i in range(len(self.names))], applied.step)
+        if all(g is applied.grads.get(i) for i, g in enumerate(grads)):
+            return Update(applied.grads, self._ratio(applied, scale_now), owned=applied.owned)
+        return Update({i: g for i, g in enumerate(grads) if g is not None}, self._ratio(applied, scale_now))
 
     @property
     def synchronized(self) -> bool:
         return self._synchronized
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """``optimizer.step()``: synchronize (unless inside skip_synchronize), then the wrapped
-        optimizer's update on the averaged gradient, or nothing while the pipeline fills."""
-        if self.is_state_initialization():
-            return self.adapter.apply_update(closure)
-        if self.should_synchronize and self._synchronized:
-            warnings.warn(SYNCHRONIZE_THEN_STEP)
-        if closure is not None and self.engine.config.width > 1:
-            raise ValueError("step(closure) re-evaluates the loss, which a pipelined optimizer cannot do; "
-                             "compute the loss before step(), or use width=1")
-        if self.should_synchronize:
-            self.synchronize()
-        elif not self._synchronized:
-            raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
-        self._synchronized = False
-        self._restore_real_weights()  # done by synchronize() already; a no-op then
-        if not self._apply_pending:
-            self._predict_weights()  # a fill step updates nothing, but the prediction starts here
-            return None
-        self._apply_pending = False
-        with self._around_update():
-            loss = self.adapter.apply_update(closure)
-        self._predict_weights()
-        return loss
+    @property
+    def apply_pending(self) -> bool:
+        """synchronize() prepared an update that step() has not run yet."""
+        return self._apply_pending
 
-    def _around_update(self) -> ContextManager[Any]:
-        """The split-batch rule's virtual update is undone on the optimizer's state."""
-        return self.split.around_update() if self.split is not None else contextlib.nullcontext()
+    def updating(self) -> ContextManager[Any]:
+        """Wraps the wrapped optimizer's step of the synchronized call: the correction's
+        moments around it, and the call is over afterwards."""
+        if not self._synchronized:
+            raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
+        return self._updating(self._call)
+
+    @contextlib.contextmanager
+    def _updating(self, call: Optional[Call]) -> Iterator[None]:
+        self._synchronized = self._apply_pending = False
+        self._call = None
+        correction = self.correction
+        if call is None:  # flush()'s updates: nothing to wrap
+            yield
+            return
+        with self.adapter.weights_guard():
+            wrapper = correction.around_update(call)
+        with wrapper:
+            yield
+        with self.adapter.weights_guard():
+            correction.after_update(call)
+
+    def no_update(self) -> None:
+        """step() after a synchronize() that prepared nothing (the pipeline fills): the call is
+        over; the correction still takes its moment after the update."""
+        call, self._call = self._call, None
+        self._synchronized = self._apply_pending = False
+        if call is not None:
+            with self.adapter.weights_guard():
+                self.correction.after_update(call)
 
     def is_state_initialization(self) -> bool:
         """True for the step() with which ``hvd.broadcast_optimizer_state`` makes an optimizer
@@ -251,9 +340,19 @@ class OptimizerCore(PipelineLifecycle):
         sets them), the wrapped optimizer's state empty (it calls step() only then). Any rank may
         make this call alone (one that loaded a checkpoint has state and does not), and zero
         gradients give the same result on every rank that makes it, so it runs locally."""
-        if self.engine.step_open or self._synchronized or self.adapter.optimizer_has_state():
+        if self._call_open or self._synchronized or self.engine.step_open or self.adapter.optimizer_has_state():
             return False
         return self.adapter.gradients_all_zero()
+
+    def check_step(self, closure: Optional[Callable[[], Any]]) -> None:
+        """What ``step()`` refuses before it synchronizes."""
+        if self.should_synchronize and self._synchronized:
+            warnings.warn(SYNCHRONIZE_THEN_STEP)
+        if closure is not None and self.engine.config.width > 1:
+            raise ValueError("step(closure) re-evaluates the loss, which a pipelined optimizer cannot do; "
+                             "compute the loss before step(), or use width=1")
+        if not self.should_synchronize and not self._synchronized:
+            raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
 
     def _agree_on_resumed_state(self) -> None:
         """At the first step after construction or a load (collective; the open step has launched
@@ -269,7 +368,7 @@ class OptimizerCore(PipelineLifecycle):
             return
         fresh = [r for r, (step, in_flight, _) in enumerate(summaries) if step == 0 and not in_flight]
         loaded = [r for r in range(len(summaries)) if r not in fresh]
-        if self.correction is not None and fresh:
+        if self.correction.per_rank_state and fresh:
             raise ValueError(f"staleness_correction={self.correction.name!r} keeps per-rank state of the steps in "
                              "flight, which ranks that did not load the checkpoint lack: load the same checkpoint "
                              "on every rank")
@@ -283,53 +382,51 @@ class OptimizerCore(PipelineLifecycle):
         state = self.comm.allgather_object(state, f"{self.name}.resume.state")[source]
         if self.comm.rank in fresh:
             engine.adopt(state)
-        self._stepped = True
 
-    def _write(self, applied: AppliedStep, scale_now: Any) -> None:
-        """The gradients of ``applied``, rescaled by the ratio of loss scales (``scale_now`` / the
-        scale they were computed with; ``scale_now`` 1.0: the caller wants them unscaled)."""
-        ratio: Any = 1.0
-        if applied.meta is not None:  # floats, or device tensors divided on the device (no sync)
-            ratio = scale_now / applied.meta
-        self.adapter.write_gradients(applied.grads, ratio, owned=applied.owned)
-
+    # ------------------------------------------------------------------------ flush and join
     def flush(self, check_steps: bool = True) -> int:
         """Apply every gradient still in flight (call once training ends, on every rank); returns
         how many steps. Collective: first checks that every rank ran the same number of steps.
         With a loss scale, gradients are unscaled here and a non-finite one is skipped."""
-        in_flight = self.engine.flush(check_steps=check_steps)  # checks the ranks agree before it waits
-        if check_steps and not self.engine.behind:
-            self._agreed_at = self.engine.step  # every rank flushed here: nobody needs this rank's later share
-        self._note_training(in_flight)
-        if self.prediction is not None:  # the real weights first; prediction starts afresh next step
-            with self.adapter.weights_guard():
-                if self._weights_predicted:
-                    self.prediction.reset(self.adapter.weights())
-                else:  # restored by synchronize(), perhaps updated since: leave the weights alone
-                    self.prediction.stop()
-            self._weights_predicted = False
+        engine = self.engine
+        in_flight = engine.flush(check_steps=check_steps)  # checks the ranks agree before it waits
+        agreed = check_steps and not engine.behind  # every rank flushed here
+        if in_flight and in_flight[-1].membership is not None:
+            self._last_membership = in_flight[-1].membership
         applied_count = 0
-        if self._apply_pending:
-            with self._around_update():
-                self.adapter.apply_update()
-            self._apply_pending, self._synchronized = False, False
+        if self._apply_pending:  # synchronize() ran, step() not yet: that update first (written)
+            with self._updating(self._call):
+                self.adapter.apply(None, False)
             applied_count += 1
-        scaled = self.adapter.loss_scale() is not None
+        elif self._synchronized:
+            self.no_update()
+        with self.adapter.weights_guard():
+            self.correction.before_flush()
+        checked = self.adapter.loss_scale() is not None
         for applied in in_flight:
-            if self.correction is not None:
-                with self.adapter.weights_guard():
-                    applied = self._with_grads(applied, self.correction.settle(
-                        self._grad_list(applied), self.adapter.weights(), applied.step))
-            if self.split is not None:
-                with self.adapter.weights_guard():
-                    applied = self._with_grads(applied, self.split.settle(self._grad_list(applied),
-                                                                           self.adapter.weights()))
-            self._write(applied, 1.0)
-            if not scaled or self.adapter.gradients_finite():
-                self.adapter.apply_update()
+            if self.adapter.apply(self._settled(applied, 1.0), checked):
                 applied_count += 1
+        kept = self.correction.pending()
+        if kept is not None:  # a part of an update nothing reduces yet: an update of its own
+            applied_count += self._reduce_and_apply(kept, checked)
+        with self.adapter.weights_guard():
+            self.correction.flushed()
+        if agreed:
+            self._agreed_at = self.engine.step  # nobody needs this rank's later share
         self._passes = [0] * len(self.names)
         return applied_count
+
+    def _reduce_and_apply(self, grads: Grads, checked: bool) -> int:
+        """Reduces ``grads`` (every rank holds such a part: the correction's pairs are in step)
+        synchronously, and applies the average as an update of its own."""
+        engine = self.engine
+        engine.begin_step([i for i, g in enumerate(grads) if g is not None] or self.adapter.trainable())
+        for i, g in enumerate(grads):
+            if g is not None:
+                engine.add_gradient_(i, g)
+        engine.end_step()
+        steps = engine.drain()
+        return sum(1 for s in steps if self.adapter.apply(Update(s.grads, owned=s.owned), checked))
 
     def join(self, outer_join: Optional[Callable[[], Any]] = None) -> int:
         """This rank has no data left (uneven data per rank), as ``hvd.join()`` in Horovod: apply
@@ -366,7 +463,8 @@ class OptimizerCore(PipelineLifecycle):
                 done = done + self.engine.flush(check_steps=False)  # this step's flags: who still trains
                 if not any(done[-1].training() or []):
                     break
-                self._note_training(done)
+                if done[-1].membership is not None:
+                    self._last_membership = done[-1].membership
             if pending is not None:
                 pending.wait()
         finally:
@@ -377,80 +475,19 @@ class OptimizerCore(PipelineLifecycle):
         training = self._last_membership() if self._last_membership is not None else None
         return max(r for r, t in enumerate(training) if t) if training and any(training) else self.comm.rank
 
-    def _note_training(self, steps: Sequence[AppliedStep]) -> None:
-        """Keeps how to read the latest applied step's membership flags, for join() (lazily:
-        reading them is a device sync on a GPU; not the step itself, whose gradients it would
-        keep alive). A training rank's own flag is set at every step it runs, so that step had
-        someone training."""
-        if steps and steps[-1].membership is not None:
-            self._last_membership = steps[-1].membership
-
-    # ------------------------------------------------- staleness corrections (staleness/corrections.py)
-    def _corrected(self, step: int, applied: List[AppliedStep]) -> List[AppliedStep]:
-        """The averages that step ``step`` applies, corrected (a synchronous step's own fresh
-        gradient is not), and step ``step``'s state kept when its gradient is in flight."""
-        correction, adapter = self.correction, self.adapter
-        local = None
-        if correction.needs_local:
-            trainable = set(adapter.trainable())
-            local = [adapter.local_gradient(i) if i in trainable and adapter.has_local_gradient(i) else None
-                     for i in range(len(self.names))]
-        pipelined = all(a.step != step for a in applied)
-        out = []
-        with adapter.weights_guard():
-            weights = adapter.weights()
-            for a in applied:
-                out.append(a if a.step == step else
-                           self._with_grads(a, correction.correct(self._grad_list(a), weights, a.step, True, local)))
-            correction.remember(step, weights, local, pipelined, applies=pipelined and bool(applied))
-        return out
-
-    def _grad_list(self, applied: AppliedStep) -> List[Optional[Tensor]]:
-        return [applied.grads.get(i) for i in range(len(self.names))]
-
-    @staticmethod
-    def _with_grads(applied: AppliedStep, grads: List[Optional[Tensor]]) -> AppliedStep:
-        # not owned: a correction may keep what it returns (its state of the steps in flight)
-        return dataclasses.replace(applied, grads={i: g for i, g in enumerate(grads) if g is not None},
-                                   owned=False)
-
-    # ------------------------------------------------------- staleness correction (prediction)
-    def _restore_real_weights(self) -> None:
-        if self._weights_predicted:
-            with self.adapter.weights_guard():
-                self.prediction.restore(self.adapter.weights())
-            self._weights_predicted = False
-
-    def _predict_weights(self) -> None:
-        if self.prediction is not None:
-            with self.adapter.weights_guard():
-                self.prediction.predict(self.adapter.weights())
-            self._weights_predicted = True
-
+    # ------------------------------------------------------------------------ real weights
     @contextlib.contextmanager
     def real_weights(self) -> Iterator[None]:
-        """The real weights inside the block, the prediction (or the split-batch rule's
-        look-ahead) again after it (bit for bit)."""
-        if self.split is not None:
-            with self.adapter.weights_guard():
-                look_ahead = self.split.show_real(self.adapter.weights())
-            try:
-                yield
-            finally:
-                if look_ahead is not None:
-                    with self.adapter.weights_guard():
-                        self.split.show_look_ahead(self.adapter.weights(), look_ahead)
-            return
-        if not self._weights_predicted:
-            yield
-            return
-        self._restore_real_weights()
+        """The real weights inside the block, the prediction (or the look-ahead) again after it
+        (bit for bit)."""
+        with self.adapter.weights_guard():
+            token = self.correction.show_real()
         try:
             yield
         finally:
-            with self.adapter.weights_guard():
-                self.prediction.reapply(self.adapter.weights())  # a no-op if flush() ran inside the block
-            self._weights_predicted = self.prediction.is_started()
+            if token is not None:
+                with self.adapter.weights_guard():
+                    self.correction.show_back(token)
 
     # ------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:
@@ -464,10 +501,8 @@ class OptimizerCore(PipelineLifecycle):
         has none), after the wrapped optimizer's state and the model's weights were loaded."""
         if entry is not None:
             self.load_entry(entry)
-            self._stepped = self.engine.step > 0
             self._resume_checked = False
-        self._weights_predicted = self.load_prediction(None if entry is None else entry.get("prediction"))
-        self.load_correction(None if entry is None else entry.get("corrections"))
+        self.load_correction(entry)
 
     # -------------------------------------------------------------------- Horovod elastic
     # Called through the framework's elastic state handler; the rule is pipesgd_hvd/optimizer/elastic.py's.
@@ -479,16 +514,16 @@ class OptimizerCore(PipelineLifecycle):
         self._reset_step_flags()
         self.adapter.load_optimizer_state_dict(rest)
         super().elastic_restore(entry)
-        self._stepped = self.engine.step > 0
+        self.load_correction(entry)
 
     def elastic_sync(self) -> None:  # type: ignore[override]
         self._reset_step_flags()
         super().elastic_sync(self.adapter.optimizer_state_dict, self.adapter.load_optimizer_state_dict)
-        self._stepped = self.engine.step > 0
         self._resume_checked = True  # every rank took rank 0's state
 
     def _reset_step_flags(self) -> None:
-        self._synchronized = self._apply_pending = False
+        self._synchronized = self._apply_pending = self._call_open = False
+        self._call = None
         self._passes = [0] * len(self.names)
 
     # ------------------------------------------------------------------------------ exit
@@ -496,7 +531,7 @@ class OptimizerCore(PipelineLifecycle):
         """At interpreter exit: apply what is in flight (nothing computed is lost), or, after a
         failure, make sure the transport's own shutdown cannot keep the process alive."""
         engine = self.engine
-        if engine.failure is None and (engine.in_flight or self._apply_pending):
+        if engine.failure is None and (engine.in_flight or self._apply_pending or self.correction.pending()):
             try:  # no step-count check: other ranks may be gone already
                 count = self.flush(check_steps=False)
                 warnings.warn(f"pipesgd_hvd: applied {count} in-flight step(s) at exit; call optimizer.flush() "

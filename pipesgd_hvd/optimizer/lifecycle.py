@@ -8,9 +8,9 @@ subclass's ``build_pipeline``) and everything that replaces or saves it:
 * its name, agreed across ranks (:func:`~pipesgd_hvd.pipeline.guards.agree_pipeline_name`);
 * the auto mode (:mod:`pipesgd_hvd.auto.controller`), which rebuilds it with another width or
   codec at a step every rank agrees on;
-* the staleness correction's state (``staleness_correction``: weight prediction, the per-step
-  state of :mod:`pipesgd_hvd.staleness.corrections`, or the split-batch rule's,
-  :mod:`pipesgd_hvd.staleness.split_batch`);
+* the staleness correction (``staleness_correction``: one
+  :class:`~pipesgd_hvd.staleness.correction.Correction`, the identity without one), built once
+  and kept across the auto mode's rebuilds;
 * the one checkpoint entry (:mod:`pipesgd_hvd.optimizer.checkpoint`);
 * Horovod elastic: dropping what the old world left in flight, rebuilding for the new world and
   continuing from rank 0's state (the rule of :mod:`pipesgd_hvd.optimizer.elastic`).
@@ -18,6 +18,7 @@ subclass's ``build_pipeline``) and everything that replaces or saves it:
 from __future__ import annotations
 
 import atexit
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
@@ -30,9 +31,9 @@ from ..pipeline.config import PipelineConfig, WireStats
 from ..pipeline.engine import AppliedStep
 from ..pipeline.fusion import TensorSpec
 from ..pipeline.guards import agree_pipeline_name, provisional_name
-from ..staleness.corrections import DelayCompensation, EagerMix, StaleCorrection
-from ..staleness.split_batch import SplitBatch
-from ..staleness.prediction import AdamPrediction, WeightPrediction
+from ..staleness import correction as corrections
+from ..staleness.choice import AccuracyWarning
+from ..staleness.correction import Correction, CorrectionContext
 from . import checkpoint, elastic
 from .adapter import FrameworkSide
 from .options import PipelineOptions
@@ -89,9 +90,9 @@ class PipelineLifecycle:
         self.auto_controller = None if options.auto is None else \
             AutoController(options.auto, comm, self.ops, rebuild=weak_method(self._switch), topology=self.topology,
                            choose_hierarchy=options.hierarchical is None, node_dtype=options.node_dtype())
-        self.prediction = self._new_prediction()
         self.correction = self._new_correction()
-        self.split = self._new_split()
+        if options.advice is not None and comm.rank == 0:
+            warnings.warn(options.advice, AccuracyWarning, stacklevel=4)
         self.switched: List[Callable[[], None]] = []  # told after the auto mode rebuilt the pipeline
 
     # ------------------------------------------------------------------------ the pipeline
@@ -138,9 +139,7 @@ class PipelineLifecycle:
         """A new pipeline over the same settings (the tensor list changed before training)."""
         self.pipeline.close()
         self.pipeline = self._new_pipeline()
-        self.prediction = self._new_prediction()
         self.correction = self._new_correction()
-        self.split = self._new_split()
 
     def _switch(self, width: int, compression: Any, hierarchical: bool = False) -> None:
         """The auto mode's rebuild: the pipeline was flushed; the next one continues its step
@@ -155,51 +154,24 @@ class PipelineLifecycle:
         for listener in self.switched:
             listener()
 
-    def _new_prediction(self) -> Optional[WeightPrediction]:
-        kind = self.options.staleness_correction
-        if kind not in ("weight_prediction", "adam_prediction"):
-            return None
-        with self.framework.weights_guard():
-            if kind == "adam_prediction":
-                self.framework.check_adam_support()
-                return AdamPrediction(self.ops, self.framework.weights(), self.framework.adam_state,
-                                      host_flag=self.eager_steps)
-            return WeightPrediction(self.ops, self.framework.weights(), host_flag=self.eager_steps)
-
-    def _new_correction(self) -> Optional[StaleCorrection]:
-        """Delay compensation or eager mixing; None without one, and at width 1 (every gradient
-        is fresh: nothing to correct)."""
-        kind = self.options.staleness_correction
-        if self.width == 1 or kind not in ("delay_compensation", "eager"):
-            return None
-        with self.framework.weights_guard():
-            if kind == "delay_compensation":
-                return DelayCompensation(self.ops, self.framework.weights(), self.width, self.options.dc_lambda, self.eager_steps)
-            return EagerMix(self.ops, self.framework.weights(), self.width, self.comm.size, self.eager_steps)
-
-    def _new_split(self) -> Optional[SplitBatch]:
-        """The split-batch rule; None without it, and at width 1 (every gradient is fresh)."""
-        if self.width == 1 or self.options.staleness_correction != "split_batch":
-            return None
-        with self.framework.weights_guard():
-            return SplitBatch(self.ops, self.framework.weights(), self.framework.optimizer_snapshot(), self.eager_steps)
+    def _new_correction(self) -> Correction:
+        """The staleness correction of ``staleness_correction`` (the identity without one, and
+        where it has nothing to do at this width)."""
+        framework = self.framework
+        with framework.weights_guard():
+            return corrections.build(self.options.staleness_correction, CorrectionContext(
+                ops=self.ops, weights=framework.weights(), eager=self.eager_steps, width=self.width,
+                world_size=self.comm.size, options=self.options, framework=framework))
 
     # ------------------------------------------------------------------------ checkpointing
     def compose_state(self) -> Dict[str, Any]:
         """The checkpoint entry (collective: in-flight steps are reduced or waited for)."""
+        with self.framework.weights_guard():
+            saved = self.correction.state_dict(self.names)
         return checkpoint.compose(
             self.pipeline.state_dict(),
             auto=self.auto_controller.state_dict() if self.auto_controller is not None else None,
-            prediction=self.prediction.state_dict(self.names) if self.prediction is not None else None,
-            corrections=self._corrections_state())
-
-    def _corrections_state(self) -> Optional[Dict[str, Any]]:
-        if self.correction is not None:
-            return self.correction.state_dict(self.names)
-        if self.split is not None:
-            with self.framework.weights_guard():
-                return self.split.state_dict(self.names, self.framework.weights())
-        return None
+            corrections=saved)
 
     def load_entry(self, entry: Dict[str, Any]) -> None:
         """Loads the pipeline's part of an entry (format 2). Rebuilding the pipeline for a saved
@@ -209,39 +181,32 @@ class PipelineLifecycle:
         checkpoint.check_resumable(entry["settings"], self.pipeline.settings())
         self.pipeline.load_state_dict(entry)
 
-    def load_prediction(self, saved: Optional[Dict[str, Any]]) -> bool:
-        """After the model's weights were loaded: the tensors get the prediction the next gradient
-        is computed at (with the correction), or the real weights (a correction checkpoint
-        resumed without it). A checkpoint without prediction state starts predicting afresh.
-        Returns whether the tensors now hold a prediction."""
-        weights = self.framework.weights()
+    def load_correction(self, entry: Optional[Dict[str, Any]]) -> None:
+        """After the model's weights (and the wrapped optimizer's state) were loaded: the
+        correction's state, or a fresh start that applies the in-flight averages as they are.
+        A checkpoint saved with another correction whose model held other weights than the real
+        ones (a prediction, a look-ahead) gets its real weights back."""
+        saved = None if entry is None else entry.get("corrections")
+        if saved is None and entry is not None and entry.get("prediction") is not None:
+            # written before every correction's state was one entry: weight prediction's, kind-less
+            saved = {"kind": "weight_prediction", **entry["prediction"]}
+            if saved.get("started"):
+                saved["real_weights"] = saved["current"]
         with self.framework.weights_guard():
-            if self.prediction is not None and saved is not None:
-                self.prediction.load_state_dict(saved, self.names, weights)
-            elif self.prediction is not None:
-                self.prediction.stop()
-            elif saved is not None and saved["started"]:
-                for name, w in zip(self.names, weights):
-                    self.ops.assign(w, saved["current"][name])
-        return self.prediction is not None and self.prediction.is_started()
-
-    def load_correction(self, saved: Optional[Dict[str, Any]]) -> None:
-        """After the model's weights were loaded: the correction's per-step state, or (saved
-        without it) a start that applies the in-flight averages uncorrected."""
-        if self.correction is not None:
-            with self.framework.weights_guard():
-                self.correction.load_state_dict(saved, self.names, self.framework.weights())
-        if self.split is not None:
-            with self.framework.weights_guard():
-                self.split.load_state_dict(saved, self.names, self.framework.weights())
+            self.correction.load_state_dict(saved, self.names)
+            if saved is not None and saved.get("kind") != self.correction.name and saved.get("real_weights"):
+                if not self.correction.holds_other_weights():
+                    for name, w in zip(self.names, self.framework.weights()):
+                        self.ops.assign(w, saved["real_weights"][name])
 
     # -------------------------------------------------------------------- Horovod elastic
     def check_elastic_support(self) -> None:
-        if self.auto_controller is not None or self.prediction is not None or self.correction is not None \
-                or self.split is not None:
-            raise ValueError("Horovod elastic (TorchState, KerasState) does not support width='auto', compression='auto' or "
-                             "staleness_correction yet: pass a fixed width and compression, without "
-                             "staleness_correction")
+        if self.auto_controller is not None:
+            raise ValueError("Horovod elastic (TorchState, KerasState) does not support width='auto' or "
+                             "compression='auto' yet: pass a fixed width and compression")
+        if not self.correction.elastic:
+            raise ValueError(f"Horovod elastic (TorchState, KerasState) does not support "
+                             f"staleness_correction={self.correction.name!r} yet: use 'split_batch' or none")
 
     def elastic_restore(self, entry: Optional[Dict[str, Any]]) -> None:
         """After HorovodInternalError (a worker was lost): drop what is in flight, unwaited, and
@@ -258,7 +223,8 @@ class PipelineLifecycle:
         unreduced steps, rebuild the pipeline for this world (cross-rank check included) and
         continue from rank 0's state: ``root_state()`` (the wrapped optimizer's, loaded with
         ``load_root_state``), the reduced in-flight gradients and the step count; error-feedback
-        residuals start afresh (pipesgd_hvd.optimizer.elastic)."""
+        residuals start afresh (pipesgd_hvd.optimizer.elastic). The staleness correction takes rank
+        0's state, settled: the real weights in the model, nothing of a rank's own kept."""
         held = self.pipeline.abandon()
         if self._comm_factory is not None:  # the old world's connections; every rank is here: build anew
             self.close_comm()
@@ -273,10 +239,16 @@ class PipelineLifecycle:
         self.pipeline = self._new_pipeline()
         root = None
         if self.comm.rank == 0:
-            root = (root_state(), elastic.state_for_new_world(held, self.pipeline.codec.state_dict()))
-        outer, entry = self.comm.allgather_object(root, f"{self._name}.elastic")[0]
+            with self.framework.weights_guard():
+                correction = self.correction.state_dict(self.names)
+            root = (root_state(), elastic.state_for_new_world(held, self.pipeline.codec.state_dict()), correction)
+        outer, entry, correction = self.comm.allgather_object(root, f"{self._name}.elastic")[0]
         load_root_state(outer)
         self.pipeline.load_state_dict(entry)
+        with self.framework.weights_guard():
+            self.correction.load_state_dict(correction, self.names)
+            self.correction.before_flush()
+            self.correction.flushed()
 
 
     def close_comm(self, at_exit: bool = False) -> None:

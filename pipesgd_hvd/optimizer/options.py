@@ -18,16 +18,10 @@ from ..comm.topology import Topology
 from ..compression import Compression, resolve_compression
 from ..pipeline.config import PipelineConfig
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
+from ..staleness.choice import advice, choose as choose_correction
+from ..staleness.correction import correction_class, registry
 from ..staleness.formulas import DEFAULT_DC_LAMBDA, check_dc_lambda
-from ..staleness.rule import choose as choose_correction
-
-#: ``staleness_correction`` values: weight prediction (:mod:`pipesgd_hvd.staleness.prediction`, extrapolating
-#: the last update, or Adam's own next step), the gradient-side corrections of
-#: :mod:`pipesgd_hvd.staleness.corrections`, and the split-batch rule
-#: (:mod:`pipesgd_hvd.staleness.split_batch`, ACCO: half of each update's gradient is fresh).
-STALENESS_CORRECTIONS = ("weight_prediction", "adam_prediction", "delay_compensation", "eager", "split_batch")
-#: The corrections that keep per-step state in the pipeline (not weight prediction).
-GRADIENT_CORRECTIONS = ("delay_compensation", "eager", "split_batch")
+from ..staleness.split_batch import DEFAULT_FRESH_FRACTION, check_fresh_fraction
 
 
 @dataclass(frozen=True)
@@ -45,6 +39,8 @@ class PipelineOptions:
     check_replicas_every: int = 0
     staleness_correction: Optional[str] = None
     dc_lambda: float = DEFAULT_DC_LAMBDA
+    fresh_fraction: float = DEFAULT_FRESH_FRACTION
+    advice: Optional[str] = None        # printed once at construction (staleness/choice.py)
     backward_passes_per_step: int = 1
     sparse_as_dense: bool = False
     auto: Optional[AutoSettings] = None
@@ -56,15 +52,16 @@ class PipelineOptions:
                        fusion_threshold_mb: Any = DEFAULT_FUSION_THRESHOLD / 2**20, op: Any = None,
                        gradient_predivide_factor: Any = 1.0, seed: Any = 0, check_replicas_every: Any = None,
                        staleness_correction: Any = False, dc_lambda: Any = DEFAULT_DC_LAMBDA,
-                       backward_passes_per_step: Any = 1,
+                       fresh_fraction: Any = DEFAULT_FRESH_FRACTION, backward_passes_per_step: Any = 1,
                        sparse_as_dense: Any = False, auto_measure_steps: Any = 10, auto_recheck_every: Any = 500,
                        communicator: Any = None, process_set: Any = None, hvd: Any = None,
-                       optimizer_family: Optional[str] = None, hierarchical: Any = None,
-                       grad_scaler: bool = False) -> "PipelineOptions":
+                       optimizer_family: Optional[str] = None, optimizer_name: str = "the optimizer",
+                       hierarchical: Any = None, grad_scaler: bool = False) -> "PipelineOptions":
         """``hvd``: the Horovod module of the framework, if installed (resolves ``hvd.Average``,
         ``hvd.Sum``, ``hvd.Adasum`` and the global process set). ``optimizer_family``: the
-        wrapped optimizer's (:data:`pipesgd_hvd.staleness.rule.FAMILIES`), which
-        ``staleness_correction="auto"`` chooses by; ``grad_scaler``: a loss scaler is in use."""
+        wrapped optimizer's (:data:`pipesgd_hvd.staleness.choice.FAMILIES`), which
+        ``staleness_correction="auto"`` chooses by and the advice quotes (with ``optimizer_name``);
+        ``grad_scaler``: a loss scaler is in use."""
         check_global_process_set(process_set, hvd)
         if not isinstance(sparse_as_dense, bool):
             raise ValueError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
@@ -74,17 +71,21 @@ class PipelineOptions:
                       gradient_predivide_factor=gradient_predivide_factor, seed=seed,
                       check_replicas_every=check_replicas_every or 0,
                       staleness_correction=check_staleness_correction(staleness_correction),
-                      dc_lambda=check_dc_lambda(dc_lambda),
+                      dc_lambda=check_dc_lambda(dc_lambda), fresh_fraction=check_fresh_fraction(fresh_fraction),
                       backward_passes_per_step=check_backward_passes(backward_passes_per_step),
                       sparse_as_dense=sparse_as_dense, auto=auto, communicator=communicator,
                       hierarchical=check_hierarchical(hierarchical))
-        if options.staleness_correction == "auto":
+        chosen_by_auto = options.staleness_correction == "auto"
+        if chosen_by_auto:
             options = options.replace(staleness_correction=choose_correction(
                 optimizer_family, lambda name: correction_refusal(options.replace(staleness_correction=name),
                                                                   grad_scaler) is None))
         refusal = correction_refusal(options, grad_scaler)
         if refusal is not None:
             raise ValueError(refusal)
+        correction = correction_class(options.staleness_correction)
+        options = options.replace(advice=advice(optimizer_family, optimizer_name, width, options.staleness_correction,
+                                                chosen_by_auto, correction.calls_per_update))
         options.config("psgd")                   # bad pipeline settings fail here
         resolve_compression(options.initial()[1])  # so does an unknown codec
         return options
@@ -170,42 +171,21 @@ def check_global_process_set(process_set: Any, hvd: Optional[Any]) -> None:
 
 
 def correction_refusal(options: PipelineOptions, grad_scaler: bool = False) -> Optional[str]:
-    """Why the staleness correction cannot run with the other settings (None: it can). The
-    gradient-side corrections keep state per in-flight step, which the auto mode's rebuilds would
-    drop mid-run, and mix gradients scaled by different loss scales; eager swaps this rank's share
-    of an average, so needs one; the split-batch rule pairs steps two by two, which one step in
-    flight allows."""
-    correction = options.staleness_correction
-    if correction not in GRADIENT_CORRECTIONS:
-        return None
-    if options.auto is not None:
-        return (f"staleness_correction={correction!r} does not support width='auto' or compression='auto' yet: pass "
-                "a fixed width and compression")
-    if grad_scaler:
-        return (f"staleness_correction={correction!r} does not support grad_scaler yet: train without a GradScaler "
-                "(bf16 autocast needs none), or use 'weight_prediction'")
-    if correction == "split_batch" and options.width not in (1, 2):
-        return (f"staleness_correction='split_batch' pairs two consecutive steps into one update (a look-ahead half "
-                f"and a real half), which needs width=2 (or 1: synchronous), got width={options.width!r}")
-    if correction == "eager" and options.op != ReduceOp.AVERAGE:
-        return ("staleness_correction='eager' swaps this rank's 1/size share of an average, so it needs op=hvd.Average "
-                "(the default): drop op=hvd.Sum, or use 'delay_compensation'")
-    if correction == "eager" and options.check_replicas_every:
-        return ("staleness_correction='eager' makes replicas differ between steps by design (each rank applies its own "
-                "fresh gradient), so check_replicas_every cannot be used with it: set check_replicas_every=0, or use "
-                "'delay_compensation'")
-    return None
+    """Why the staleness correction cannot run with the other settings (None: it can): each
+    correction says it (:meth:`~pipesgd_hvd.staleness.correction.Correction.refusal`)."""
+    return correction_class(options.staleness_correction).refusal(options, grad_scaler)
 
 
 def check_staleness_correction(value: Any) -> Optional[str]:
     """``staleness_correction``: False/None (default), True (weight prediction), ``"auto"`` (kept:
-    the rule of :mod:`pipesgd_hvd.staleness.rule` resolves it once the other settings are known)
-    or a name of :data:`STALENESS_CORRECTIONS`."""
+    :mod:`pipesgd_hvd.staleness.choice` resolves it once the other settings are known) or the
+    name of a correction (:func:`pipesgd_hvd.staleness.correction.registry`)."""
     if value is False or value is None:
         return None
     if value is True:
         return "weight_prediction"
-    if isinstance(value, str) and (value == "auto" or value in STALENESS_CORRECTIONS):
+    names = sorted(registry())
+    if isinstance(value, str) and (value == "auto" or value in names):
         return value
-    raise ValueError(f"staleness_correction must be False, True, 'auto' or "
-                     f"{' / '.join(map(repr, STALENESS_CORRECTIONS))}, got {value!r}")
+    raise ValueError(f"staleness_correction must be False, True, 'auto' or {' / '.join(map(repr, names))}, "
+                     f"got {value!r}")

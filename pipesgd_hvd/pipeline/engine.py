@@ -313,6 +313,15 @@ class PipelineEngine:
         self.inspector.step_ended(self._step)
         return applied
 
+    def drain(self) -> List[AppliedStep]:
+        """Wait for every ended step in flight and return them, oldest first, without ending an
+        open step and without the cross-rank check of :meth:`flush` (the caller's calls are in
+        step on every rank: a staleness correction's call that reduces nothing of its own)."""
+        self._raise_if_failed()
+        applied = [self._finish(s) for s in self._queue]
+        self._queue.clear()
+        return applied
+
     def _agree_at_flush(self, ended: int) -> None:
         self.behind = self.inspector.agree_at_flush(ended) == "behind"
 

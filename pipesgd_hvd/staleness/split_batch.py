@@ -1,245 +1,279 @@
-"""``staleness_correction="split_batch"``: each update's gradient is half computed at the weights it
-updates (ACCO, "Accumulate While You Communicate", NeurIPS 2025, arXiv 2406.02613).
+"""``staleness_correction="split_batch"``, the accurate mode: part of each update's gradient is
+computed at the weights it updates, with one all-reduce per update.
 
 Why: with Adam at its edge of stability, a rule whose whole gradient is one step stale tolerates a
-step about 38 times smaller than synchronous training does (docs/accuracy.md); a gradient half of
-which is computed at the weights it updates keeps the synchronous threshold.
+step about 38 times smaller than synchronous training does (docs/accuracy.md); a gradient part of
+which is computed at the weights it updates keeps the synchronous threshold (ACCO, NeurIPS 2025,
+arXiv 2406.02613). ACCO reduces each half of the batch on its own (two all-reduces per update,
+:mod:`pipesgd_hvd.staleness.acco`); here each rank makes its look-ahead from its own, unreduced
+gradient, so only the update's sum crosses the network, once, behind the look-ahead half's compute.
 
-The rule, over the calls of a width-2 pipeline. Calls alternate between the two halves of an
-update's batch: a look-ahead half A, computed at a look-ahead of the weights, and a real half B,
-computed at the real weights theta_t. Each call's all-reduce runs while the next call computes
-(the pipeline is the usual width-2 one), and each call applies the average of the call before::
+Two calls make one update: a look-ahead part A of the update's batch (a share 1 - f of it), then a
+fresh part B (a share f; f = ``fresh_fraction``, 1/2 by default), each computed by one call of
+``step()`` / ``apply_gradients``::
 
-    call B, at theta_t:        applies avg A, the virtual step:
-                               ~theta_{t+1} = Opt(theta_t, s_t; avg A); the optimizer's state goes
-                               back to s_t, the weights hold ~theta_{t+1}, theta_t is kept aside
-    call A, at ~theta_{t+1}:   applies avg B, the real step:
-                               theta_{t+1} = Opt(theta_t, s_t; (avg A + avg B) / 2)
+    call A (at the look-ahead ~theta_{t+1}):  keeps g_A; waits for update t's all-reduce; puts
+        theta_t back into the weights; the real step theta_{t+1} = Opt(theta_t, s_t; avg_t)
+    call B (at theta_{t+1}):  g = (1 - f) g_A + f g_B, this rank's gradient of update t+1: its
+        all-reduce starts (it runs while the next call A computes); theta_{t+1} is kept aside and
+        the weights get this rank's look-ahead ~theta_{t+2} = Opt(theta_{t+1}, s_{t+1}; g), the
+        optimizer's state put back to s_{t+1} afterwards
 
-The first pipelined call computes its A half at the real weights and applies nothing (a fill
-step). Synchronous calls (warm-up, width 1) apply their own gradient and take no part.
-``flush()`` applies what is in flight: after a virtual step, the real step; otherwise the lone A
-half, as an update of its own (nothing computed is lost). Every rank applies the same updates, so
-replicas stay bitwise identical.
+The real weights and the updates are the same on every rank (bitwise); only the look-ahead points,
+where the A parts are computed, differ. When the pipeline is synchronous (``width=1``, warm-up,
+or the auto mode's choice) the pair is one synchronous update at the end of call B, of the
+whole batch: a call always means half an update, whatever the width.
 
-One update takes two calls, each with its own batch: with half the batch per call and twice the
-calls of synchronous training, an update sees the same samples (docs/options.md says what a step,
-the batch and a learning-rate schedule mean then).
+The first pair computes its A part at the real weights (no look-ahead yet) and applies nothing at
+call A. ``flush()`` applies what is in flight (the real step of update t), or, after a call A, the
+kept part as an update of its own (nothing computed is lost).
 
-Costs: one copy of the weights (theta_t, while the model holds the look-ahead), one of the
-gradients (avg A, for the real step) and one of the optimizer's state (the virtual update is
-undone); per update one more optimizer step (the virtual one), and two all-reduces of the whole
-gradient (one per call).
+Costs: one copy of the weights (theta aside while the model holds the look-ahead), one of the
+gradients (this rank's sum, kept between the calls), and the optimizer's state saved and put back
+around the look-ahead's step; per update one more optimizer step (the look-ahead's), and one
+all-reduce of the whole gradient. Comm-bound, an update takes max((1 - f) compute, all-reduce) +
+f compute.
 
-Written once over :class:`~pipesgd_hvd.ops.base.TensorOps`, with host conditions (PyTorch's core)
-or traced ones (Keras's step): ``stale`` is a Python bool or a boolean tensor. The framework
-supplies an :class:`OptimizerSnapshot`.
+Written once over :class:`~pipesgd_hvd.ops.base.TensorOps`: Python bools where PyTorch's core
+decides on the host, traced booleans inside Keras's step.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence
+import numbers
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from ..ops.base import Tensor, TensorOps
+from ..ops.base import Tensor
+from .conds import Flag, and_, maybe, not_, or_, select
+from .correction import Call, Correction, CorrectionContext, Grads
 
-Cond = Any   # a Python bool, or a traced boolean tensor
-Grads = List[Optional[Tensor]]
+Cond = Any
 
-
-class OptimizerSnapshot(Protocol):
-    """The wrapped optimizer's state, saved before the virtual step and put back after it (where
-    ``when``; a Python bool or a traced boolean). Saving state that does not exist yet (an
-    optimizer before its first update) and putting it back removes what the update created."""
-
-    def save(self, when: Cond) -> None: ...
-    def restore(self, when: Cond) -> None: ...
+DEFAULT_FRESH_FRACTION = 0.5
 
 
-class SplitBatch:
-    """The rule's state and its moments in a call (see the module docstring)::
+def check_fresh_fraction(value: Any) -> float:
+    """``fresh_fraction``: the share f of each update's batch that call B computes, in (0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) < 1.0:
+        raise ValueError(f"fresh_fraction must be a number between 0 and 1 (the share of each update's batch "
+                         f"computed at the real weights; {DEFAULT_FRESH_FRACTION} splits it in halves), got {value!r}")
+    return float(value)
 
-        grads = split.gradients(avg, weights, stale)   before the update: a real step first puts
-                                                       theta_t back into the weights
-        with split.around_update():                    the wrapped optimizer's update of ``grads``
-            apply(grads)
-        grads = split.settle(avg, weights)             flush(): the average in flight, then apply
 
-    ``host_flag``: the flag "the weights hold a look-ahead" is a Python bool (an eager core: the
-    choices are made on the host), else a float32 variable and ``where`` ops (a traced step)."""
+class SplitBatch(Correction):
+    """The rule's state between calls (see the module docstring): ``second`` (the next call is
+    the fresh part B: a part A is kept), ``ahead`` (the weights hold this rank's look-ahead and
+    ``real`` theta_t), and ``local``, this rank's gradient of the update being computed."""
 
     name = "split_batch"
+    calls_per_update = 2
+    transforms_input = True
 
-    def __init__(self, ops: TensorOps, weights: Sequence[Any], snapshot: OptimizerSnapshot,
-                 host_flag: bool) -> None:
-        self.ops, self.snapshot, self.host_flag = ops, snapshot, host_flag
-        self.real: List[Tensor] = [ops.new_state(ops.read(w)) for w in weights]
-        self.first_half: List[Tensor] = [ops.new_state(_zeros_like(ops, ops.read(w))) for w in weights]
-        self._host_active = False
-        self._flag = None if host_flag else ops.new_state(ops.zeros((), "float32"))
-        self._pending: Optional[tuple] = None  # (virtual, active after the update), set by gradients()
+    def __init__(self, context: CorrectionContext) -> None:
+        super().__init__(context)
+        ops = self.ops
+        self.fresh = check_fresh_fraction(getattr(context.options, "fresh_fraction", DEFAULT_FRESH_FRACTION))
+        self.snapshot = context.framework.optimizer_snapshot()
+        self.real: List[Tensor] = [ops.new_state(ops.read(w)) for w in self.weights]
+        self.local: List[Tensor] = [ops.new_state(ops.read(w) * 0.0) for w in self.weights]
+        self.second = Flag(ops, self.eager)   # a part A is kept; the next call is part B
+        self.ahead = Flag(ops, self.eager)    # the weights hold the look-ahead, theta_t is in ``real``
+        self._virtual: Cond = False           # this call's update is the look-ahead's (set by before_update)
+        self._kept: Set[int] = set()          # eagerly: tensors part A gave a gradient
+        self._sent: Set[int] = set()          # eagerly, in call B: tensors handed to the pipeline
+        self._kept_scale: Any = None          # eagerly: the loss scale part A was computed with
+        self._ratio: Any = None               # eagerly, in call B: loss scale now / part A's, or None
         self._aside: Optional[List[Tensor]] = None  # the look-ahead while show_real() shows theta_t
 
-    # ------------------------------------------------------------------------------- the flag
-    def active(self) -> Cond:
-        """Whether the weights hold the look-ahead ~theta_{t+1} (the last update was virtual)."""
-        return self._host_active if self.host_flag else self.ops.read(self._flag) > 0.5
+    @classmethod
+    def refusal(cls, options: Any, grad_scaler: bool) -> Optional[str]:
+        if options.width not in (1, 2, "auto"):
+            return (f"staleness_correction='split_batch' makes one update of two calls with one all-reduce in "
+                    f"flight, which needs width=2 (or 1, or 'auto'), got width={options.width!r}")
+        return None
 
-    def is_active(self) -> bool:
-        """:meth:`active`, read on the host (eagerly)."""
-        if self.host_flag:
-            return self._host_active
-        return bool(self.ops.to_numpy(self.ops.read(self._flag)) > 0.5)
-
-    def _set_active(self, value: Cond) -> None:
-        if self.host_flag:
-            self._host_active = bool(value)
-            return
-        ops = self.ops
-        ops.assign(self._flag, ops.full((), 1.0 if value else 0.0, "float32") if isinstance(value, bool)
-                   else ops.cast(value, "float32"))
+    @classmethod
+    def active_at(cls, width: int) -> bool:
+        return True  # a call is half an update at every width
 
     # ------------------------------------------------------------------------------- a call
-    def gradients(self, avg: Grads, weights: Sequence[Any], stale: Cond) -> Grads:
-        """The gradients this call's update applies. ``avg``: what the pipeline hands this call;
-        ``stale``: it is an earlier call's average (False: a synchronous call's own gradient, or
-        nothing to apply; it passes through). A virtual step keeps theta_t and avg A aside; a real
-        step writes theta_t back into ``weights`` and returns the mean of both halves."""
-        active = self.active()
-        virtual, real = _and(self.ops, stale, _not(self.ops, active)), _and(self.ops, stale, active)
-        # after the update: a virtual step leaves the look-ahead in the weights, a real one not
-        self._pending = (virtual, _or(self.ops, virtual, _and(self.ops, active, _not(self.ops, stale))))
-        ops, out = self.ops, []
-        for g, w, kept, first in zip(avg, weights, self.real, self.first_half):
-            if g is None:
-                out.append(None)
-                continue
-            if _maybe(virtual):  # read the weights before a real step could overwrite them
-                ops.assign(kept, _select(ops, virtual, ops.read(w), ops.read(kept)))
-                ops.assign(first, _select(ops, virtual, g, ops.read(first)))
-            if _maybe(real):
-                ops.assign(w, _select(ops, real, ops.read(kept), ops.read(w)))
-                g = _select(ops, real, (ops.read(first) + g) * 0.5, g)
+    def feeds(self) -> Cond:
+        return self.second.get()
+
+    def takes(self) -> Cond:
+        return not_(self.ops, self.second.get())
+
+    def begin_call(self, loss_scale: Any) -> None:
+        """Eagerly, at the call's first gradient: part A notes its loss scale; part B the ratio
+        by which part A is rescaled to its own (a GradScaler may have changed it in between)."""
+        self._sent = set()
+        if not self.second.is_set():
+            self._kept, self._kept_scale = set(), loss_scale
+        elif loss_scale is not None and self._kept_scale is not None:
+            self._ratio = loss_scale / self._kept_scale
+        else:
+            self._ratio = None
+
+    def local_(self, index: int, grad: Tensor) -> Tensor:
+        """Part A: ``local = (1 - f) g_A`` (kept). Part B: ``local += f g_B``, handed to the pipeline."""
+        ops, kept = self.ops, self.local[index]
+        if self.eager:
+            if not self.second.is_set():
+                self._kept.add(index)
+                return ops.assign(kept, grad * (1.0 - self.fresh))
+            self._sent.add(index)
+            if index not in self._kept:
+                return ops.assign(kept, grad * self.fresh)
+            self._kept.discard(index)
+            return ops.assign(kept, self._rescaled(ops.read(kept)) + grad * self.fresh)
+        second = self.second.get()
+        ops.assign(kept, ops.where(second, ops.read(kept) + grad * self.fresh, grad * (1.0 - self.fresh)))
+        return ops.read(kept)
+
+    def kept_gradient(self, index: int) -> Optional[Tensor]:
+        """Eagerly, in call B, for a tensor that got no gradient in this call: part A's, if kept."""
+        if not self.second.is_set() or index not in self._kept:
+            return None
+        self._kept.discard(index)
+        self._sent.add(index)
+        return self.ops.assign(self.local[index], self._rescaled(self.ops.read(self.local[index])))
+
+    def _rescaled(self, x: Tensor) -> Tensor:
+        return x if self._ratio is None else x * self._ratio
+
+    def before_update(self, call: Call, grads: Grads) -> Tuple[Grads, Cond]:
+        """Call A: theta_t back into the weights; the real step applies update t's average (if
+        one was in flight). Call B: pipelined, keep theta_{t+1} aside and step to the look-ahead
+        with this rank's gradient; synchronous, the average of this update is the real step."""
+        ops = self.ops
+        second, ahead = self.second.get(), self.ahead.get()
+        restore = and_(ops, not_(ops, second), ahead)
+        virtual = and_(ops, second, not_(ops, call.applies))
+        self._virtual = virtual
+        out: Grads = []
+        for i, (g, w, kept) in enumerate(zip(grads, self.weights, self.real)):
+            if maybe(restore):
+                ops.assign(w, select(ops, restore, ops.read(kept), ops.read(w)))
+            if maybe(virtual):
+                ops.assign(kept, select(ops, virtual, ops.read(w), ops.read(kept)))
+                if self.eager:  # virtual is True here: this rank's gradient, where the update has one
+                    g = ops.read(self.local[i]) if i in self._sent else None
+                elif g is not None:
+                    g = ops.where(virtual, ops.read(self.local[i]), g)
             out.append(g)
-        return out
+        return out, or_(ops, call.applies, virtual)
 
     @contextlib.contextmanager
-    def around_update(self) -> Iterator[None]:
-        """Wraps the update of the call :meth:`gradients` prepared: the optimizer's state is saved
-        before a virtual update and put back after it (the weights keep the update: they are the
-        look-ahead)."""
-        if self._pending is None:
-            raise RuntimeError("around_update() without gradients() first")
-        virtual, active_after = self._pending
-        if _maybe(virtual):
+    def around_update(self, call: Call) -> Iterator[None]:
+        """The look-ahead's step leaves the optimizer's state as it found it."""
+        virtual = self._virtual
+        if maybe(virtual):
             self.snapshot.save(virtual)
         yield
-        if _maybe(virtual):
+        if maybe(virtual):
             self.snapshot.restore(virtual)
-        self._set_active(active_after)
-        self._pending = None
 
-    def skip_update(self) -> None:
-        """The call :meth:`gradients` prepared applies nothing after all (a fill step): no change."""
-        self._pending = None
+    def after_update(self, call: Call) -> None:
+        self.ahead.set(self._virtual)
+        self.second.set(not_(self.ops, self.second.get()))
+        self._virtual = False
 
-    def settle(self, avg: Grads, weights: Sequence[Any]) -> Grads:
-        """``flush()``, eagerly: the gradients that apply the average in flight. After a virtual
-        step it is avg B, applied by the real step (theta_t back into the weights first); else it
-        is a lone A half, applied as it is. The update that follows is an ordinary one."""
-        grads = self.gradients(avg, weights, True)
-        self._pending = None
-        self._set_active(False)
+    def update_skipped(self, call: Call) -> None:
+        """A GradScaler skipped the step: no look-ahead was made (the weights are the real ones);
+        the pair goes on."""
+        self.ahead.set(False)
+        self.second.set(not self.second.is_set())
+        self._virtual = False
+
+    # ------------------------------------------------------------------------------ flush()
+    def settle(self, grads: Grads, step: Any) -> Grads:
+        """Update t's average, in flight: the real step from theta_t."""
+        if self.ahead.is_set():
+            for w, kept in zip(self.weights, self.real):
+                self.ops.assign(w, self.ops.read(kept))
+            self.ahead.set(False)
         self._aside = None
         return grads
 
+    def pending(self) -> Optional[Grads]:
+        """After a call A: its part, as the gradient of an update of its own."""
+        if not self.second.is_set():
+            return None
+        ops, scale = self.ops, 1.0 / (1.0 - self.fresh)
+        kept = range(len(self.weights)) if not self.eager else self._kept
+        return [ops.read(t) * scale if i in kept else None for i, t in enumerate(self.local)]
+
+    def before_flush(self) -> None:
+        """The real weights back first: the averages in flight are applied to them."""
+        self.settle([], None)
+
+    def flushed(self) -> None:
+        self.second.set(False)
+        self.ahead.set(False)
+        self._kept, self._aside, self._virtual = set(), None, False
+
     # ---------------------------------------------------------------------- the real weights
-    def show_real(self, weights: Sequence[Any]) -> Optional[List[Tensor]]:
-        """Writes theta_t into ``weights`` when they hold a look-ahead, and returns a copy of the
-        look-ahead for :meth:`show_look_ahead`; None (nothing written) otherwise."""
-        if not self.is_active():
+    def holds_other_weights(self) -> bool:
+        return self.ahead.is_set()
+
+    def show_real(self) -> Optional[List[Tensor]]:
+        if not self.ahead.is_set():
             return None
         ops = self.ops
-        look_ahead = [ops.new_state(ops.read(w)) for w in weights]
-        for w, kept in zip(weights, self.real):
+        look_ahead = [ops.new_state(ops.read(w)) for w in self.weights]
+        for w, kept in zip(self.weights, self.real):
             ops.assign(w, ops.read(kept))
         self._aside = look_ahead
         return look_ahead
 
-    def show_look_ahead(self, weights: Sequence[Any], look_ahead: List[Tensor]) -> None:
-        """Puts back what :meth:`show_real` returned (bit for bit), unless a ``flush()`` in between
-        ended the look-ahead: the weights are the real ones then."""
+    def show_back(self, token: Optional[List[Tensor]]) -> None:
         self._aside = None
-        if self.is_active():
-            for w, ahead in zip(weights, look_ahead):
+        if token is not None and self.ahead.is_set():
+            for w, ahead in zip(self.weights, token):
                 self.ops.assign(w, self.ops.read(ahead))
 
     # ------------------------------------------------------------------------ checkpointing
     def state(self) -> List[Tensor]:
-        """The variables a traced framework's checkpoint tracks."""
-        return [*([] if self._flag is None else [self._flag]), *self.real, *self.first_half]
+        return [*self.second.state(), *self.ahead.state(), *self.real, *self.local]
 
-    def state_dict(self, names: Sequence[str], weights: Sequence[Any]) -> Dict[str, Any]:
-        """theta_t, avg A and the look-ahead by tensor name (copies), and whether it is active
-        (inside ``real_weights()`` the look-ahead is the one set aside)."""
+    def state_dict(self, names: Sequence[str]) -> Dict[str, Any]:
+        """The pair's position, theta aside and the look-ahead (inside ``real_weights()`` the one
+        set aside), and this rank's kept part A, by tensor name (copies)."""
         ops = self.ops
-        if self._aside is not None:
-            weights = self._aside
         copy = lambda tensors: {n: ops.new_state(ops.read(t)) for n, t in zip(names, tensors)}  # noqa: E731
-        return {"kind": self.name, "active": self.is_active(), "real": copy(self.real),
-                "first_half": copy(self.first_half), "look_ahead": copy(weights)}
+        ahead, second = self.ahead.is_set(), self.second.is_set()
+        real = copy(self.real) if ahead else None
+        kept = sorted(names[i] for i in self._kept) if self.eager else list(names)
+        return {"kind": self.name, "fresh_fraction": self.fresh, "second": second, "ahead": ahead,
+                "real": real, "look_ahead": copy(self._aside if self._aside is not None else self.weights) if ahead
+                else None, "local": copy(self.local) if second else None, "kept": kept if second else [],
+                "kept_scale": self._kept_scale if second else None, "real_weights": real}
 
-    def load_state_dict(self, state: Optional[Dict[str, Any]], names: Sequence[str],
-                        weights: Sequence[Any]) -> None:
-        """After the model's weights and the optimizer's state were loaded. A look-ahead is
-        written into ``weights`` whether the model was saved holding it or (inside
-        ``real_weights()``) theta_t. Without this rule's state (a checkpoint of another mode):
-        no look-ahead, and an average in flight counts as a first half."""
+    def load_state_dict(self, saved: Optional[Dict[str, Any]], names: Sequence[str]) -> None:
+        """After the model's weights and the optimizer's state were loaded. Without this rule's
+        state (a checkpoint of another mode, or ACCO's): a fresh pair, in-flight averages applied
+        as they are."""
         ops = self.ops
-        if state is None or state.get("kind") != self.name:
-            self._set_active(False)
+        if saved is None or saved.get("kind") != self.name or "second" not in saved:
+            self.flushed()
             return
-        differ = sorted(set(names) ^ set(state["real"]))
-        if differ:
-            raise ValueError(f"the checkpoint's split_batch state does not match the parameters: {differ}")
-        for n, kept, first in zip(names, self.real, self.first_half):
-            ops.assign(kept, state["real"][n])
-            ops.assign(first, state["first_half"][n])
-        self._set_active(bool(state["active"]))
-        if state["active"]:
-            for n, w in zip(names, weights):
-                ops.assign(w, state["look_ahead"][n])
-
-
-def _maybe(cond: Cond) -> bool:
-    """False only for a condition known on the host to be false (no op is built for it then)."""
-    return not (isinstance(cond, bool) and not cond)
-
-
-def _select(ops: TensorOps, cond: Cond, a: Tensor, b: Tensor) -> Tensor:
-    if isinstance(cond, bool):
-        return a if cond else b
-    return ops.where(cond, a, b)
-
-
-def _not(ops: TensorOps, cond: Cond) -> Cond:
-    return (not cond) if isinstance(cond, bool) else ops.logical_not(cond)
-
-
-def _and(ops: TensorOps, a: Cond, b: Cond) -> Cond:
-    if isinstance(a, bool):
-        return b if a else False
-    if isinstance(b, bool):
-        return a if b else False
-    return ops.logical_and(a, b)
-
-
-def _or(ops: TensorOps, a: Cond, b: Cond) -> Cond:
-    if isinstance(a, bool):
-        return True if a else b
-    if isinstance(b, bool):
-        return True if b else a
-    return ops.logical_not(ops.logical_and(ops.logical_not(a), ops.logical_not(b)))  # a or b
-
-
-def _zeros_like(ops: TensorOps, x: Tensor) -> Tensor:
-    return ops.zeros(ops.shape(x), ops.dtype_name(x), like=x)
+        if float(saved["fresh_fraction"]) != self.fresh:
+            raise ValueError(f"the checkpoint was saved with fresh_fraction={saved['fresh_fraction']}, this optimizer "
+                             f"has {self.fresh}: resume with the same fresh_fraction")
+        for part in ("real", "local"):
+            if saved[part] is not None and sorted(saved[part]) != sorted(names):
+                raise ValueError(f"the checkpoint's split_batch state does not match the parameters: "
+                                 f"{sorted(set(names) ^ set(saved[part]))}")
+        self.second.set(bool(saved["second"]))
+        self.ahead.set(bool(saved["ahead"]))
+        if saved["ahead"]:
+            for n, w, kept in zip(names, self.weights, self.real):
+                ops.assign(kept, saved["real"][n])
+                ops.assign(w, saved["look_ahead"][n])
+        if saved["second"]:
+            for n, kept in zip(names, self.local):
+                ops.assign(kept, saved["local"][n])
+        index = {n: i for i, n in enumerate(names)}
+        self._kept = {index[n] for n in saved["kept"]} if self.eager else set()
+        self._kept_scale = saved.get("kept_scale")
+        self._aside, self._virtual = None, False

@@ -21,7 +21,7 @@ from ..optimizer.options import PipelineOptions
 from ..pipeline.config import WireStats
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 from ..staleness.formulas import DEFAULT_DC_LAMBDA
-from ..staleness.rule import family_by_class
+from ..staleness.choice import family_by_class
 from .core import KerasCore, variable_name
 from .pipeline import GraphPipeline
 from .xla import calling_model, check_not_xla_compiled
@@ -147,7 +147,7 @@ def _dense(grad: Any, variable: Any) -> Any:
     return grad
 
 
-# Per-coordinate step sizes: staleness_correction="auto" treats these alike (staleness/rule.py).
+# Per-coordinate step sizes: staleness_correction="auto" treats these alike (staleness/choice.py).
 _ADAPTIVE = ("Adam", "AdamW", "Nadam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Adafactor")
 
 

@@ -74,7 +74,16 @@ class TorchAdapter:
             self._sparse.add(index)  # reduced dense (sparse_as_dense), handed back sparse, as Horovod does
         return checks.checked_grad(name, p, self.sparse_as_dense)
 
-    def write_gradients(self, grads: Dict[int, torch.Tensor], scale: Any, owned: bool = False) -> None:
+    def write(self, update: Any) -> None:
+        """Puts an :class:`~pipesgd_hvd.optimizer.core.Update` into ``.grad`` (None: zeros, so
+        that code run between synchronize() and step(), e.g. GradScaler.unscale_, sees finite
+        gradients while the pipeline fills and step() applies nothing)."""
+        if update is None:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+            return
+        grads, scale, owned = update.grads, update.scale, update.owned
         for i, p in enumerate(self.params):
             g = grads.get(i)
             if g is None:
@@ -97,14 +106,13 @@ class TorchAdapter:
             else:
                 p.grad = g.detach() if mine and g.dtype == p.dtype and g.device == p.device else g.detach().clone()
 
-    def zero_gradients(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
-
-    def gradients_finite(self) -> bool:
-        # One host read for all of them, not one per parameter.
-        return _all_true([torch.isfinite(p.grad).all() for p in self.params if p.grad is not None])
+    def apply(self, update: Any, check_finite: bool) -> bool:
+        if update is not None:
+            self.write(update)
+        if check_finite and not _all_true([torch.isfinite(p.grad).all() for p in self.params if p.grad is not None]):
+            return False
+        self.optimizer.step()
+        return True
 
     def gradients_all_zero(self) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -127,9 +135,6 @@ class TorchAdapter:
         return float(self.grad_scaler.get_scale())
 
     # --------------------------------------------------------------------- the wrapped optimizer
-    def apply_update(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-
     def check_adam_support(self) -> None:
         """``staleness_correction="adam_prediction"`` reads Adam's moments: Adam/AdamW only."""
         if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):

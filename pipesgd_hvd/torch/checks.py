@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..staleness.rule import family_by_class
+from ..staleness.choice import family_by_class
 
 _COMMUNICATOR_METHODS = ("allreduce_async_", "alltoall_async", "allgather_async", "allgather_object")
 
@@ -136,7 +136,7 @@ def check_groups(num_groups: Any, groups: Any, params: Sequence[torch.Tensor]) -
                          "(Horovod's argument; ignored here: gradients are fused by fusion_threshold_mb)")
 
 
-# Per-coordinate step sizes: staleness_correction="auto" treats these alike (staleness/rule.py).
+# Per-coordinate step sizes: staleness_correction="auto" treats these alike (staleness/choice.py).
 _ADAPTIVE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "SparseAdam")
 
 

@@ -25,6 +25,7 @@ from ..pipeline.config import WireStats
 from ..pipeline.engine import PipelineEngine
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 from ..staleness.formulas import DEFAULT_DC_LAMBDA
+from ..staleness.split_batch import DEFAULT_FRESH_FRACTION
 from . import checks
 from .adapter import TorchAdapter
 
@@ -99,7 +100,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  warmup_steps: int = 0, fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20,
                  communicator: Any = None, grad_scaler: Any = None, seed: int = 0,
                  check_replicas_every: Optional[int] = None, staleness_correction: Any = False,
-                 dc_lambda: float = DEFAULT_DC_LAMBDA, auto_measure_steps: int = 10,
+                 dc_lambda: float = DEFAULT_DC_LAMBDA, fresh_fraction: float = DEFAULT_FRESH_FRACTION,
+                 auto_measure_steps: int = 10,
                  auto_recheck_every: Optional[int] = 500, hierarchical: Any = None) -> None:
         # Every check runs before the first collective, so a bad argument (the same on every
         # rank, as the code is) raises on every rank and no rank is left waiting.
@@ -112,10 +114,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             width=width, compression=compression, warmup_steps=warmup_steps, fusion_threshold_mb=fusion_threshold_mb,
             op=op, gradient_predivide_factor=gradient_predivide_factor, seed=seed,
             check_replicas_every=check_replicas_every, staleness_correction=staleness_correction,
-            dc_lambda=dc_lambda, backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
+            dc_lambda=dc_lambda, fresh_fraction=fresh_fraction, backward_passes_per_step=backward_passes_per_step,
+            sparse_as_dense=sparse_as_dense,
             auto_measure_steps=auto_measure_steps, auto_recheck_every=auto_recheck_every,
             communicator=communicator, process_set=process_set, hvd=_hvd,
-            optimizer_family=checks.optimizer_family(optimizer), hierarchical=hierarchical,
+            optimizer_family=checks.optimizer_family(optimizer), optimizer_name=type(optimizer).__name__,
+            hierarchical=hierarchical,
             grad_scaler=grad_scaler is not None)
         if communicator is not None and not isinstance(communicator, str):
             checks.check_communicator(communicator)
@@ -147,7 +151,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """End this step's communication and put the gradient to apply now into ``.grad``:
         the average of step t-K+1 (zeros while the pipeline fills, and step() then applies nothing)."""
-        self._core.synchronize()
+        core = self._core
+        if not core.synchronized:
+            self._adapter.write(core.synchronize(self._adapter.loss_scale()))
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -160,13 +166,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._core.should_synchronize = True
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        core = self._core
-        if self._adapter.grad_scaler is not None and core.should_synchronize and not core.synchronized \
-                and not core.is_state_initialization():
+        core, adapter = self._core, self._adapter
+        if core.is_state_initialization():
+            return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+        if adapter.grad_scaler is not None and core.should_synchronize and not core.synchronized:
             raise RuntimeError("with grad_scaler, call optimizer.synchronize() before scaler.step(optimizer) and "
                                "wrap it in optimizer.skip_synchronize(), so that the scaler unscales and checks the "
                                "gradient that is applied (Horovod's AMP pattern)")
-        return core.step(closure)
+        core.check_step(closure)
+        if core.should_synchronize and not core.synchronized:
+            adapter.write(core.synchronize(adapter.loss_scale()))
+        if not core.apply_pending:
+            core.no_update()
+            return None
+        with core.updating():
+            return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
 
     def flush(self, check_steps: bool = True) -> int:
         """Apply every gradient still in flight (call once training ends, on every rank); returns

@@ -1,32 +1,27 @@
-"""Gradient-side staleness corrections in the pipeline, written once over :class:`TensorOps`.
+"""``staleness_correction="delay_compensation"`` / ``"eager"``: corrections of the stale averaged
+gradient, written once over :class:`TensorOps`.
 
-:mod:`pipesgd_hvd.staleness.formulas` has the formulas; this module keeps the per-step state
-they need and says which step's state corrects which gradient. Both cores call it the same way:
-PyTorch's with Python ints and bools (choices made on the host), Keras's traced step with its step
-counter and ``where`` ops (``cond`` and ``step`` may be traced tensors or Python values; a Python
-value is always decided on the host).
-
-At step t (width K) the pipeline applies the average of step s = t - K + 1. Per step::
-
-    applied = correction.correct(avg_s, weights_now, s, has_stale, local_t)   (before the update)
-    correction.remember(t, weights_now, local_t, pipelined, applies)          (keeps step t's state)
-
-and at ``flush()`` each in-flight average goes through :meth:`settle`. State of the K - 1 steps in
-flight lives in K - 1 slots; step s uses slot ``s % (K - 1)``. The steps in flight are consecutive,
-so their slots differ, and the step applied at t shares t's slot: it is read before it is written.
-Synchronous steps (width 1, warm-up) apply their own fresh gradient and are neither corrected nor
-remembered.
+:mod:`pipesgd_hvd.staleness.formulas` has the formulas; this module keeps the per-step state they
+need and says which step's state corrects which gradient, as a
+:class:`~pipesgd_hvd.staleness.correction.Correction`. At step t (width K) the pipeline applies
+the average of step s = t - K + 1: before the update it is corrected with step s's state, and
+step t's state is kept. At ``flush()`` each in-flight average goes through :meth:`settle`. State
+of the K - 1 steps in flight lives in K - 1 slots; step s uses slot ``s % (K - 1)``. The steps in
+flight are consecutive, so their slots differ, and the step applied at t shares t's slot: it is
+read before it is written. Synchronous steps (width 1, warm-up) apply their own fresh gradient
+and are neither corrected nor remembered.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..comm.base import ReduceOp
 from ..ops.base import Tensor, TensorOps
+from .conds import and_, select
+from .correction import Call, Correction, CorrectionContext, Grads, Step
 from .formulas import check_dc_lambda, delay_compensated, eager_mix
 
-Step = Any   # a Python int, or a traced integer tensor
-Cond = Any   # a Python bool, or a traced boolean tensor
-Grads = List[Optional[Tensor]]  # one per tensor of the core's list; None: no gradient
+Cond = Any
 
 
 class _Slots:
@@ -108,31 +103,40 @@ class _Slots:
             self._set_flag(j, False)
 
 
-class StaleCorrection:
-    """The interface both corrections share (see the module docstring)."""
+class StaleCorrection(Correction):
+    """What both corrections share (see the module docstring)."""
 
-    name = ""
-    needs_local = False  # correct() reads this step's local gradients
+    elastic = False
+    per_rank_state = True  # eager: this rank's own local shares; both: per-rank copies of steps in flight
 
-    def __init__(self, ops: TensorOps, like: Sequence[Any], width: int, host_flag: bool) -> None:
-        self.ops = ops
-        self.slots = _Slots(ops, like, max(width - 1, 1), host_flag)
+    def __init__(self, context: CorrectionContext, like: Sequence[Any]) -> None:
+        super().__init__(context)
+        self.width = context.width
+        self.slots = _Slots(self.ops, like, max(context.width - 1, 1), context.eager)
 
-    def _select(self, cond: Cond, a: Tensor, b: Tensor) -> Tensor:
-        if isinstance(cond, bool):
-            return a if cond else b
-        return self.ops.where(cond, a, b)
+    @classmethod
+    def refusal(cls, options: Any, grad_scaler: bool) -> Optional[str]:
+        # Per-step state: the auto mode's rebuilds would drop it mid-run; a loss scale mixes
+        # gradients scaled differently.
+        if options.auto is not None:
+            return (f"staleness_correction={cls.name!r} does not support width='auto' or compression='auto': pass a "
+                    "fixed width and compression, or use staleness_correction='split_batch'")
+        if grad_scaler:
+            return (f"staleness_correction={cls.name!r} does not support grad_scaler: train without a GradScaler "
+                    "(bf16 autocast needs none), or use 'weight_prediction' or 'split_batch'")
+        return None
 
-    def correct(self, avg: Grads, weights: Sequence[Any], stale_step: Step, has_stale: Cond,
-                local: Optional[Grads] = None) -> Grads:
+    def before_update(self, call: Call, grads: Grads) -> Tuple[Grads, Any]:
+        """The stale average corrected; this step's state kept (a synchronous step's own fresh
+        gradient passes through)."""
+        out = self.correct(list(grads), call.stale_step, call.stale, call.local)
+        self.remember(call.step, call.local, call.pipelined, and_(self.ops, call.pipelined, call.applies))
+        return out, call.applies
+
+    def correct(self, avg: Grads, stale_step: Step, has_stale: Cond, local: Optional[Grads] = None) -> Grads:
         raise NotImplementedError
 
-    def remember(self, step: Step, weights: Sequence[Any], local: Optional[Grads], pipelined: Cond,
-                 applies: Cond) -> None:
-        raise NotImplementedError
-
-    def settle(self, avg: Grads, weights: Sequence[Any], step: Step) -> Grads:
-        """An in-flight average applied by ``flush()`` (no step of its own follows)."""
+    def remember(self, step: Step, local: Optional[Grads], pipelined: Cond, applies: Cond) -> None:
         raise NotImplementedError
 
     def state(self) -> List[Tensor]:
@@ -141,14 +145,14 @@ class StaleCorrection:
     def state_dict(self, names: Sequence[str]) -> Dict[str, Any]:
         return {"kind": self.name, **self.slots.state_dict(names)}
 
-    def load_state_dict(self, state: Optional[Dict[str, Any]], names: Sequence[str], weights: Sequence[Any]) -> None:
+    def load_state_dict(self, saved: Optional[Dict[str, Any]], names: Sequence[str]) -> None:
         """A checkpoint without this correction's state (or another's): the in-flight averages
         are applied uncorrected (delay compensation: w_then taken as the loaded weights; eager: no
         local share to take back)."""
-        if state is None or state.get("kind") != self.name:
-            self.slots.reset(weights)
+        if saved is None or saved.get("kind") != self.name:
+            self.slots.reset(self.weights)
             return
-        self.slots.load_state_dict(state, names)
+        self.slots.load_state_dict(saved, names)
 
 
 class DelayCompensation(StaleCorrection):
@@ -160,27 +164,25 @@ class DelayCompensation(StaleCorrection):
 
     name = "delay_compensation"
 
-    def __init__(self, ops: TensorOps, weights: Sequence[Any], width: int, lam: float, host_flag: bool) -> None:
-        super().__init__(ops, weights, width, host_flag)
-        self.lam = check_dc_lambda(lam)
+    def __init__(self, context: CorrectionContext) -> None:
+        super().__init__(context, context.weights)
+        self.lam = check_dc_lambda(context.options.dc_lambda)
 
-    def correct(self, avg: Grads, weights: Sequence[Any], stale_step: Step, has_stale: Cond,
-                local: Optional[Grads] = None) -> Grads:
+    def correct(self, avg: Grads, stale_step: Step, has_stale: Cond, local: Optional[Grads] = None) -> Grads:
         if has_stale is False:
             return list(avg)
         w_then, _ = self.slots.read(stale_step)
         ops, out = self.ops, []
-        for g, w, then in zip(avg, weights, w_then):
+        for g, w, then in zip(avg, self.weights, w_then):
             out.append(None if g is None else
-                       self._select(has_stale, delay_compensated(ops, g, ops.read(w), then, self.lam), g))
+                       select(ops, has_stale, delay_compensated(ops, g, ops.read(w), then, self.lam), g))
         return out
 
-    def remember(self, step: Step, weights: Sequence[Any], local: Optional[Grads], pipelined: Cond,
-                 applies: Cond) -> None:
-        self.slots.write(step, [self.ops.read(w) for w in weights], applies, pipelined)
+    def remember(self, step: Step, local: Optional[Grads], pipelined: Cond, applies: Cond) -> None:
+        self.slots.write(step, [self.ops.read(w) for w in self.weights], applies, pipelined)
 
-    def settle(self, avg: Grads, weights: Sequence[Any], step: Step) -> Grads:
-        return self.correct(avg, weights, step, True)
+    def settle(self, grads: Grads, step: Step) -> Grads:
+        return self.correct(grads, step, True)
 
 
 class EagerMix(StaleCorrection):
@@ -200,31 +202,40 @@ class EagerMix(StaleCorrection):
     name = "eager"
     needs_local = True
 
-    def __init__(self, ops: TensorOps, like: Sequence[Any], width: int, world_size: int, host_flag: bool) -> None:
-        super().__init__(ops, like, width, host_flag)
-        self.world_size = world_size
+    def __init__(self, context: CorrectionContext) -> None:
+        super().__init__(context, context.weights)
+        self.world_size = context.world_size
+
+    @classmethod
+    def refusal(cls, options: Any, grad_scaler: bool) -> Optional[str]:
+        if options.op != ReduceOp.AVERAGE:
+            return ("staleness_correction='eager' swaps this rank's 1/size share of an average, so it needs "
+                    "op=hvd.Average (the default): drop op=hvd.Sum, or use 'delay_compensation'")
+        if options.check_replicas_every:
+            return ("staleness_correction='eager' makes replicas differ between steps by design (each rank applies its "
+                    "own fresh gradient), so check_replicas_every cannot be used with it: set check_replicas_every=0, "
+                    "or use 'delay_compensation'")
+        return super().refusal(options, grad_scaler)
 
     def _mix(self, g: Tensor, fresh: Optional[Tensor], stale: Tensor, taken_back: Cond) -> Tensor:
         ops = self.ops
         zero = ops.zeros(ops.shape(g), ops.dtype_name(g), like=g)
-        return eager_mix(g, zero if fresh is None else fresh, self._select(taken_back, stale, zero), self.world_size)
+        return eager_mix(g, zero if fresh is None else fresh, select(ops, taken_back, stale, zero), self.world_size)
 
-    def correct(self, avg: Grads, weights: Sequence[Any], stale_step: Step, has_stale: Cond,
-                local: Optional[Grads] = None) -> Grads:
+    def correct(self, avg: Grads, stale_step: Step, has_stale: Cond, local: Optional[Grads] = None) -> Grads:
         if has_stale is False:
             return list(avg)
         stale, shared = self.slots.read(stale_step)
         fresh = local if local is not None else [None] * len(avg)
-        return [None if g is None else self._select(has_stale, self._mix(g, f, s, shared), g)
+        return [None if g is None else select(self.ops, has_stale, self._mix(g, f, s, shared), g)
                 for g, f, s in zip(avg, fresh, stale)]
 
-    def remember(self, step: Step, weights: Sequence[Any], local: Optional[Grads], pipelined: Cond,
-                 applies: Cond) -> None:
+    def remember(self, step: Step, local: Optional[Grads], pipelined: Cond, applies: Cond) -> None:
         ops = self.ops
         values = [ops.zeros(ops.shape(ops.read(w)), ops.dtype_name(ops.read(w)), like=ops.read(w)) if g is None
-                  else g for g, w in zip(local or [None] * len(weights), weights)]
+                  else g for g, w in zip(local or [None] * len(self.weights), self.weights)]
         self.slots.write(step, values, applies, pipelined)
 
-    def settle(self, avg: Grads, weights: Sequence[Any], step: Step) -> Grads:
+    def settle(self, grads: Grads, step: Step) -> Grads:
         stale, shared = self.slots.read(step)
-        return [None if g is None else self._mix(g, None, s, shared) for g, s in zip(avg, stale)]
+        return [None if g is None else self._mix(g, None, s, shared) for g, s in zip(grads, stale)]
