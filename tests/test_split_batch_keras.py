@@ -1,6 +1,7 @@
-"""staleness_correction="split_batch" (ACCO) in Keras 3's DistributedOptimizer: 2 in-process ranks
-(eager) and 1 rank inside tf.function, at widths 1 and 2, against a plain Keras reference of the
-rule written here with TensorFlow ops (bitwise)."""
+"""staleness_correction="split_batch" (one all-reduce per update, each rank's look-ahead from its
+own gradient) in Keras 3's DistributedOptimizer: 2 in-process ranks (eager) and 1 rank inside
+tf.function, at widths 1 and 2, against a plain Keras reference of the rule written here with
+TensorFlow ops (bitwise); model.fit with the optimizer built by Keras itself; the checkpoint entry."""
 import numpy as np
 import pytest
 
@@ -13,7 +14,7 @@ from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
 from test_staleness_corrections_keras import batches, gradients, make_model  # noqa: E402
 from threads import run_threads  # noqa: E402
 
-CALLS = 7  # odd: the run ends after a virtual step, so flush() applies a real one
+CALLS = 9  # odd: the run ends after a call A (its part kept): flush() reduces it on its own
 
 
 def inner():
@@ -43,54 +44,62 @@ def train(traced, ranks=2, width=2, calls=CALLS, **options):
 
 
 def reference(data, ranks=2, calls=CALLS, traced=False, width=2):
-    """The rule written out on a plain Keras optimizer: each call's average is applied by the next
-    call, alternately by a virtual step from theta_t (every optimizer variable copied and put
-    back) and by the real step from theta_t with (avg A + avg B) * 0.5. ``traced``: gradients
-    from a tf.function too (a traced graph's forward and backward pass need not match eager's
-    bitwise, see test_staleness_corrections_keras.py)."""
+    """The rule written out on a plain Keras optimizer: theta and the optimizer's state are the
+    real ones; calls pair up: A keeps (1 - f) g_A at the rank's look-ahead and applies the update
+    in flight from theta; B adds f g_B at theta, averages over the ranks (in flight) and steps each
+    rank from theta to its look-ahead with its own sum, the optimizer's variables put back. At
+    width 1 B applies the average. ``traced``: gradients and updates from a tf.function (a traced
+    graph need not match eager bitwise, see test_staleness_corrections_keras.py)."""
     grads_of = tf.function(gradients) if traced else gradients
     model, opt = make_model(), inner()
     variables = model.trainable_variables
     opt.build(variables)
-    real, first, pending = None, None, None
+    theta = [tf.identity(v) for v in variables]
+    points, kept, in_flight = None, None, None
 
     def update(grads):
         opt.apply_gradients(zip(grads, variables))
 
-    update_now = tf.function(update) if traced else update  # Keras's update traced as in the step
+    update_now = tf.function(update) if traced else update
 
-    def apply(avg):
-        nonlocal real, first
-        if width == 1:
-            update_now(avg)
-        elif real is None:
-            real, first = [tf.identity(v) for v in variables], avg
-            saved = [tf.identity(v) for v in opt.variables]
-            update_now(avg)
+    def step_from(weights, grads, virtual=False):
+        for v, w in zip(variables, weights):
+            v.assign(w)
+        saved = [tf.identity(v) for v in opt.variables] if virtual else None
+        update_now(grads)
+        if virtual:
             for v, s in zip(opt.variables, saved):
                 v.assign(s)
-        else:
-            for v, w in zip(variables, real):
-                v.assign(w)
-            update_now([(a + b) * 0.5 for a, b in zip(first, avg)])
-            real = None
+        return [tf.identity(v) for v in variables]
 
-    for t in range(calls):
-        local = [grads_of(model, data[t][r]) for r in range(ranks)]
-        avg = [(a + b) * 0.5 for a, b in zip(*local)] if ranks == 2 else list(local[0])
-        if width == 1:
-            apply(avg)
-            continue
-        if pending is not None:
-            apply(pending)
-        pending = avg
-    if pending is not None:  # flush() runs eagerly
-        if real is None:
-            update(pending)
+    def grads_at(weights, batch):
+        for v, w in zip(variables, weights):
+            v.assign(w)
+        return grads_of(model, batch)
+
+    def average(per_rank):
+        return [(a + b) * 0.5 for a, b in zip(*per_rank)] if ranks == 2 else list(per_rank[0])
+
+    for c in range(calls):
+        if c % 2 == 0:
+            kept = [[g * 0.5 for g in grads_at(points[r] if points else theta, data[c][r])] for r in range(ranks)]
+            if in_flight is not None:
+                theta = step_from(theta, in_flight)
+            points, in_flight = None, None
         else:
-            update_now = update
-            apply(pending)
-    return [v.numpy() for v in variables]
+            local = [[a + g * 0.5 for a, g in zip(kept[r], grads_at(theta, data[c][r]))] for r in range(ranks)]
+            kept = None
+            if width == 1:
+                theta = step_from(theta, average(local))
+                continue
+            in_flight = average(local)
+            points = [step_from(theta, local[r], virtual=True) for r in range(ranks)]
+    update_now = update  # flush() runs eagerly
+    if in_flight is not None:
+        theta = step_from(theta, in_flight)
+    elif kept is not None:
+        theta = step_from(theta, average([[g * 2.0 for g in k] for k in kept]))
+    return [w.numpy() for w in theta]
 
 
 def assert_same(got, want):
@@ -98,7 +107,7 @@ def assert_same(got, want):
         np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("calls", [CALLS, CALLS + 1], ids=["ends-after-virtual", "ends-after-real"])
+@pytest.mark.parametrize("calls", [CALLS, CALLS + 1], ids=["ends-after-a", "ends-after-b"])
 def test_split_batch_matches_the_reference_eagerly_on_two_ranks(calls):
     got, data = train(traced=False, calls=calls)
     want = reference(data, calls=calls)
@@ -106,30 +115,44 @@ def test_split_batch_matches_the_reference_eagerly_on_two_ranks(calls):
         assert_same(weights, want)
 
 
-def test_split_batch_matches_the_reference_inside_tf_function():
-    got, data = train(traced=True, ranks=1)
-    assert_same(got[0], reference(data, ranks=1, traced=True))
+@pytest.mark.parametrize("calls", [CALLS, CALLS + 1], ids=["ends-after-a", "ends-after-b"])
+def test_split_batch_matches_the_reference_inside_tf_function(calls):
+    got, data = train(traced=True, ranks=1, calls=calls)
+    assert_same(got[0], reference(data, ranks=1, calls=calls, traced=True))
 
 
-def test_split_batch_at_width_1_is_the_synchronous_update():
-    got, data = train(traced=True, ranks=1, width=1)
-    assert_same(got[0], reference(data, ranks=1, traced=True, width=1))
+def test_split_batch_at_width_1_makes_each_pair_one_synchronous_update():
+    got, data = train(traced=True, ranks=1, width=1, calls=CALLS + 1)
+    assert_same(got[0], reference(data, ranks=1, calls=CALLS + 1, traced=True, width=1))
 
 
-def test_split_batch_changes_the_update():
-    got, data = train(traced=False, ranks=1)
-    plain = reference(data, ranks=1, width=1)
-    assert not all(np.array_equal(a, b) for a, b in zip(got[0], plain)), "split_batch changed nothing"
+def test_model_fit_builds_the_optimizer_itself_and_trains():
+    """model.fit with the optimizer not built by hand (Keras builds it in a symbolic pass: the
+    optimizer's snapshot once took that pass's placeholder shapes and failed at the first update);
+    AdamW and SGD with momentum; the flush callback applies the kept part or the update in flight."""
+    x = np.random.default_rng(0).normal(size=(96, 6)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    for make in (lambda: keras.optimizers.AdamW(3e-3), lambda: keras.optimizers.SGD(0.05, momentum=0.9)):
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+        opt = psgd.DistributedOptimizer(make(), communicator=LocalWorld(1, TensorFlowOps()).communicator(0),
+                                        staleness_correction="split_batch")
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        before = model.evaluate(x, y, verbose=0)
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[psgd.callbacks.PipelineFlushCallback()])
+        assert model.evaluate(x, y, verbose=0) < before
+        assert not opt.core.correction.holds_other_weights(), "the flush callback left the real weights in place"
 
 
-def test_split_batch_checkpoint_holds_its_state():
+def test_checkpoint_entry_holds_the_pair():
     data = batches(4, 1)
     model = make_model()
     opt = psgd.DistributedOptimizer(inner(), communicator=LocalWorld(1, TensorFlowOps()).communicator(0),
                                     staleness_correction="split_batch")
     opt.build(model.trainable_variables)
-    for t in range(4):  # ends with a virtual step: the look-ahead in the model, avg B in flight
+    for t in range(3):  # A, B (the look-ahead in the model, update 0 in flight), A (update 0 applied, part kept)
         opt.apply_gradients(zip(gradients(model, data[t][0]), model.trainable_variables))
     entry = opt.pipeline_state_dict()
-    assert entry["corrections"]["kind"] == "split_batch" and entry["corrections"]["active"]
-    assert len(entry["in_flight"]) == 1
+    saved = entry["corrections"]
+    assert saved["kind"] == "split_batch" and saved["second"] and not saved["ahead"]
+    assert entry["in_flight"] == [] and entry["step"] == 1
+    opt.flush()

@@ -140,6 +140,10 @@ class Acco(Correction):
     def holds_other_weights(self) -> bool:
         return self.active.is_set()
 
+    def real_values(self) -> List[Tensor]:
+        ops, other = self.ops, self.active.get()
+        return [select(ops, other, ops.read(kept), ops.read(w)) for w, kept in zip(self.weights, self.real)]
+
     def show_real(self) -> Optional[List[Tensor]]:
         if not self.active.is_set():
             return None

@@ -197,6 +197,11 @@ class Correction:  # noqa: B024 - the identity is usable as it is
         """Eagerly: whether the model holds weights other than the real ones now."""
         return False
 
+    def real_values(self) -> List[Tensor]:
+        """The real weights' values, as tensors (traced: where the model holds others, theirs
+        from the correction's state), for a check that compares replicas."""
+        return [self.ops.read(w) for w in self.weights]
+
     # ---------------------------------------------------------------------- checkpointing
     def state(self) -> List[Tensor]:
         """The variables a traced framework's checkpoint tracks."""

@@ -93,6 +93,10 @@ class WeightPrediction(Correction):
         self.started.set(False)
 
     # ------------------------------------------------------------------------ real weights
+    def real_values(self) -> List[Tensor]:
+        ops, other = self.ops, self.started.get()
+        return [select(ops, other, ops.read(kept), ops.read(w)) for w, kept in zip(self.weights, self.current)]
+
     def show_real(self) -> Any:
         if not self.holds_other_weights():
             return None

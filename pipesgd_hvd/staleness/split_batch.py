@@ -216,6 +216,10 @@ class SplitBatch(Correction):
     def holds_other_weights(self) -> bool:
         return self.ahead.is_set()
 
+    def real_values(self) -> List[Tensor]:
+        ops, other = self.ops, self.ahead.get()
+        return [select(ops, other, ops.read(kept), ops.read(w)) for w, kept in zip(self.weights, self.real)]
+
     def show_real(self) -> Optional[List[Tensor]]:
         if not self.ahead.is_set():
             return None

@@ -26,6 +26,7 @@ from ..optimizer.options import PipelineOptions
 from ..pipeline.config import PipelineConfig
 from ..pipeline.engine import AppliedStep
 from ..pipeline.fusion import TensorSpec
+from ..staleness.correction import Call
 from ..staleness.prediction import AdamState
 from .guards import ReplicaCheck, StepProgress
 from .pipeline import GraphPipeline
@@ -67,18 +68,12 @@ class KerasCore(PipelineLifecycle):
             self.auto_deadline = tf.Variable(NO_DEADLINE if self.auto_controller is None else options.auto.measure_steps,
                                              dtype=tf.int64, trainable=False, name="pipesgd_auto_deadline")
         self._driven_to = 0  # steps the auto mode has seen
-        self._track_prediction()
-        self.switched.append(self._track_prediction)
+        self._track_correction()
+        self.switched.append(self._track_correction)
 
-    def _track_prediction(self) -> None:
-        """Weight prediction's and the corrections' variables are checkpointed with the pipeline
-        (tf.train.Checkpoint)."""
-        if self.prediction is not None:
-            self.graph.prediction_state = self.prediction.state()
-        if self.correction is not None:
-            self.graph.correction_state = self.correction.state()
-        if self.split is not None:
-            self.graph.correction_state = self.split.state()
+    def _track_correction(self) -> None:
+        """The staleness correction's variables are checkpointed with the pipeline (tf.train.Checkpoint)."""
+        self.graph.correction_state = self.correction.state()
 
     def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
                        check_ranks: bool) -> GraphPipeline:
@@ -92,68 +87,68 @@ class KerasCore(PipelineLifecycle):
     # --------------------------------------------------------------------------- the step
     def step(self, grads: List[Any], variables: List[Any], apply: ApplyFn) -> List[tf.Tensor]:
         """The replica check (when due), the exchange and the update (``apply``, the wrapped
-        optimizer's). Traced, returns the tensors that exist once every collective of the step is
-        done (for the watchdog); eagerly, it runs them."""
-        graph = self.graph
+        optimizer's), with the staleness correction's moments around it, as in
+        ``optimizer/core.py``. Traced, returns the tensors that exist once every collective of the
+        step is done (for the watchdog); eagerly, it runs them."""
+        graph, correction = self.graph, self.correction
         if self.auto_controller is not None:
             tf.debugging.assert_less(graph.step_counter.read_value(), self.auto_deadline.read_value(),
                                      message=AUTO_DRIVER_MESSAGE)
         checked = None
-        if self.replicas is not None:  # the weights every rank's forward pass just used
-            checked = self.replicas(graph.step_counter.read_value(), variables)
+        if self.replicas is not None:  # the real weights every rank's update starts from
+            checked = self.replicas(graph.step_counter.read_value(), correction.real_values())
         # Read before exchange() counts the step (the same variable: ordered in the graph).
         step, start = graph.step_counter.read_value(), graph.start.read_value()
-        reduced, should_apply = graph.exchange(grads)
-        if self.prediction is not None:  # the gradients were computed at predicted weights
-            self.prediction.restore(variables)
-        if self.correction is not None:  # staleness/corrections.py, with the traced step
-            has_stale = graph.schedule.has_stale(step, start)
-            reduced = self.correction.correct(list(reduced), variables, step - (graph.config.width - 1), has_stale,
-                                              list(grads))
-            self.correction.remember(step, variables, list(grads), tf.logical_not(graph.schedule.in_warmup(step)),
-                                     applies=has_stale)
-        if self.split is not None:  # a real step writes theta_t back first
-            reduced = self.split.gradients(list(reduced), variables, graph.schedule.has_stale(step, start))
+        feeds, takes = correction.feeds(), correction.takes()
+        inputs = list(grads)
+        if correction.transforms_input:
+            inputs = [None if g is None else correction.local_(i, g) for i, g in enumerate(grads)]
+        reduced, should_apply, stale = graph.exchange(inputs, feeds=feeds, takes=takes)
+        schedule = graph.schedule
+        call = Call(step=step, stale=stale, stale_step=step - (graph.config.width - 1), applies=should_apply,
+                    pipelined=tf.logical_not(schedule.in_warmup(step)),
+                    local=list(grads) if correction.needs_local else None)
+        reduced, applies = correction.before_update(call, list(reduced))
 
         def apply_now() -> tf.Tensor:
-            with self.split.around_update() if self.split is not None else contextlib.nullcontext():
+            with correction.around_update(call):
                 apply(reduced, variables)
             return tf.constant(True)
 
         done: List[tf.Tensor] = []
         if tf.executing_eagerly():
-            if bool(should_apply):
+            if bool(applies):
                 apply_now()
         else:
             # While the pipeline fills there is no averaged gradient yet: the wrapped optimizer
             # does not run at all (its iteration counter, moments and weight decay stay put).
             # A replica check that fails fails the step before anything is applied.
             with tf.control_dependencies([] if checked is None else [checked]):
-                done.append(tf.cond(should_apply, apply_now, lambda: tf.constant(False)))
-        if self.split is not None:
-            self.split.skip_update()  # traced, or a fill step: nothing is left to wrap
-        if self.prediction is not None:
-            self.prediction.predict(variables)
+                done.append(tf.cond(applies, apply_now, lambda: tf.constant(False)))
+        correction.after_update(call)
         return done
 
     def flush(self, apply: ApplyFn) -> int:
         """Eagerly and collectively: applies the averaged gradients still in flight, with the real
-        weights put back first. Returns how many steps."""
+        weights put back first, and a part of an update the correction kept as an update of its
+        own. Returns how many steps."""
         with self.progress.eager_step():
             pending = self.graph.flush()
-        return self._apply_flushed(pending, apply)
+            return self._apply_flushed(pending, apply, kept=True)
 
-    def _apply_flushed(self, pending: Sequence[AppliedStep], apply: ApplyFn) -> int:
-        if self.prediction is not None:
-            self.prediction.reset(self.variables)  # the real weights, for evaluation or saving
+    def _apply_flushed(self, pending: Sequence[AppliedStep], apply: ApplyFn, kept: bool = False) -> int:
+        correction = self.correction
+        correction.before_flush()
         for step in pending:
-            grads = [step.grads[i] for i in range(len(self.variables))]
-            if self.correction is not None:
-                grads = self.correction.settle(grads, self.variables, step.step)
-            if self.split is not None:
-                grads = self.split.settle(grads, self.variables)
+            grads = correction.settle([step.grads.get(i) for i in range(len(self.variables))], step.step)
             apply(grads, self.variables)
-        return len(pending)
+        count = len(pending)
+        part = correction.pending() if kept else None
+        if part is not None:  # every rank holds one: the pairs are in step
+            apply(self.graph.reduce_now(part), self.variables)
+            count += 1
+        correction.flushed()
+        return count
 
     # -------------------------------------------------------------------------- auto mode
     def after_steps(self, apply: ApplyFn) -> bool:
@@ -186,8 +181,7 @@ class KerasCore(PipelineLifecycle):
         entry, _ = checkpoint.read({checkpoint.KEY: entry})
         with self.progress.eager_step():
             self.load_entry(entry)
-        self.load_prediction(entry.get("prediction"))
-        self.load_correction(entry.get("corrections"))
+        self.load_correction(entry)
 
     # -------------------------------------------------------------------- Horovod elastic
     # Called by keras/elastic.py's KerasState; the rule is pipesgd_hvd/optimizer/elastic.py's. Each
@@ -267,8 +261,11 @@ class KerasOptimizerSnapshot:
     def __init__(self, optimizer: Any) -> None:
         with tf.init_scope():
             self.variables = list(optimizer.variables)
-            self.saved = [tf.Variable(tf.convert_to_tensor(v), trainable=False, name="pipesgd_optimizer_saved")
-                          for v in self.variables]
+            # Zeros of each variable's shape, not its value: model.fit builds the optimizer in a
+            # symbolic pass where the values are placeholders of shape (0,) (a copy of one kept
+            # that shape, and the first save() failed). save() writes them before any use.
+            self.saved = [tf.Variable(tf.zeros(tuple(v.shape), tf.as_dtype(v.dtype)), trainable=False,
+                                      name="pipesgd_optimizer_saved") for v in self.variables]
 
     def save(self, when: Any) -> None:
         _copy_where(when, self.variables, self.saved)

@@ -72,25 +72,40 @@ class GraphPipeline(tf.Module):
             self.slots = [tf.Variable(tf.zeros((slots, b.numel), tf_dtype(b.dtype)), trainable=False,
                                       name=f"pending_b{b.index}") for b in self.layout.buckets]
             self.reduced = tf.Variable(tf.zeros((slots,), tf.bool), trainable=False, name="pending_reduced")
+            # A pending gradient already applied by a call that fed nothing (a staleness
+            # correction's first call of a pair takes it; the slot is refilled by the second).
+            self.taken = tf.Variable(tf.zeros((slots,), tf.bool), trainable=False, name="pending_taken")
             self.bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
             self.fp32_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="fp32_bytes")
             self.codec_state = self._prime_codec(comm if check_ranks else _ShapesOnly(comm))
 
     # ------------------------------------------------------------------------------ tracing
-    def exchange(self, grads: Sequence[Optional[tf.Tensor]]) -> Tuple[List[Optional[tf.Tensor]], tf.Tensor]:
+    def exchange(self, grads: Sequence[Optional[tf.Tensor]], feeds: Any = True,
+                 takes: Any = True) -> Tuple[List[Optional[tf.Tensor]], tf.Tensor, Any]:
         """This step's local gradients in, the averaged gradients to apply out (None where the
-        local gradient was None), and whether to apply them at all (False while filling)."""
+        local gradient was None), whether to apply them at all (False while filling), and whether
+        they are an earlier step's (a bool: taken from the pending slot).
+        ``feeds`` (a Python or traced bool): this call hands its gradients to the pipeline and
+        counts as a step; ``takes``: it takes the pending gradient (a staleness correction's call
+        may do one without the other: :meth:`~pipesgd_hvd.staleness.correction.Correction.feeds`)."""
         schedule = self.schedule
         step = self.step_counter.read_value()
         flats = [self._flatten(bucket, grads) for bucket in self.layout.buckets]
         if self.config.width == 1:
-            reduced = self._reduce_all(flats, "sync", step)
-            self._count(tf.constant(True))
-            apply = tf.constant(True)
+            if feeds is True:
+                reduced = self._reduce_all(flats, "sync", step)
+            else:
+                reduced = tf.cond(feeds, lambda: self._reduce_all(flats, "sync", step), lambda: flats)
+            self._count(tf.constant(True) if feeds is True else feeds)
+            apply = tf.constant(True) if feeds is True else feeds
+            has_stale = False
         else:
             start = self.start.read_value()
             slot = schedule.pending_slot(step, start)
             has_stale = schedule.has_stale(step, start)
+            if takes is not True:
+                has_stale = tf.logical_and(has_stale, takes)
+            has_stale = tf.logical_and(has_stale, tf.logical_not(tf.gather(self.taken, slot)))
             pending = [tf.gather(v, slot) for v in self.slots]
             must_reduce = tf.logical_and(has_stale, tf.logical_not(tf.gather(self.reduced, slot)))
             # No input computed by this step: free to run beside the forward/backward pass.
@@ -100,24 +115,41 @@ class GraphPipeline(tf.Module):
                 stale = tf.cond(must_reduce, lambda: self._reduce_all(pending, "stale", computed_at), lambda: pending)
             self._count(must_reduce)
             in_warmup = schedule.in_warmup(step)
+            sync_now = in_warmup if feeds is True else tf.logical_and(in_warmup, feeds)
             if self.config.warmup_steps > 0:
                 zeros = [tf.zeros_like(f) for f in flats]
                 with tf.name_scope(SYNC_SCOPE):
-                    current = tf.cond(in_warmup, lambda: self._reduce_all(flats, "sync", step), lambda: zeros)
-                self._count(in_warmup)
+                    current = tf.cond(sync_now, lambda: self._reduce_all(flats, "sync", step), lambda: zeros)
+                self._count(sync_now)
                 reduced = [tf.where(in_warmup, c, s) for c, s in zip(current, stale)]
             else:
                 reduced = stale
+            store = tf.logical_not(in_warmup) if feeds is True else tf.logical_and(tf.logical_not(in_warmup), feeds)
             with tf.control_dependencies(reduced):  # the slot is read before it is overwritten
                 for v, f in zip(self.slots, flats):
-                    tf.cond(in_warmup, tf.no_op, lambda v=v, f=f: v.scatter_update(
-                        tf.IndexedSlices(f[None], tf.reshape(slot, (1,)))).op)
-                tf.cond(in_warmup, tf.no_op, lambda: self.reduced.scatter_update(
-                    tf.IndexedSlices(tf.constant([False]), tf.reshape(slot, (1,)))).op)
-            apply = schedule.applies(step, start)
+                    tf.cond(store, lambda v=v, f=f: v.scatter_update(
+                        tf.IndexedSlices(f[None], tf.reshape(slot, (1,)))).op, tf.no_op)
+                for flags in (self.reduced, self.taken):
+                    tf.cond(store, lambda flags=flags: flags.scatter_update(
+                        tf.IndexedSlices(tf.constant([False]), tf.reshape(slot, (1,)))).op, tf.no_op)
+                if takes is not True:  # a call that takes and does not store marks the slot taken
+                    tf.cond(tf.logical_and(has_stale, tf.logical_not(store)), lambda: self.taken.scatter_update(
+                        tf.IndexedSlices(tf.constant([True]), tf.reshape(slot, (1,)))).op, tf.no_op)
+            apply = tf.logical_or(sync_now, has_stale)
         with tf.control_dependencies(reduced):
-            self.step_counter.assign_add(1)
-        return self._unflatten(reduced, grads), apply
+            self.step_counter.assign_add(1 if feeds is True else tf.cast(feeds, tf.int64))
+        return self._unflatten(reduced, grads), apply, has_stale
+
+    def reduce_now(self, grads: Sequence[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
+        """Eagerly and collectively: ``grads`` reduced at once, as a step of their own (a
+        correction's kept part at ``flush()``; every rank holds one)."""
+        step = self.step
+        flats = [self._flatten(bucket, grads) for bucket in self.layout.buckets]
+        reduced = self._reduce_all(flats, "kept", tf.constant(step, tf.int64))
+        self._count(tf.constant(True))
+        self.step_counter.assign(step + 1)
+        self.start.assign(max(step + 1, self.config.warmup_steps))
+        return self._unflatten(reduced, grads)
 
     # ------------------------------------------------------------------------------- eager
     def flush(self) -> List[AppliedStep]:
@@ -126,13 +158,15 @@ class GraphPipeline(tf.Module):
         out = [AppliedStep(s, self._by_index(flats)) for s, flats in self._settled()]
         self.start.assign(max(self.step, self.config.warmup_steps))
         self.reduced.assign(tf.zeros_like(self.reduced))
+        self.taken.assign(tf.zeros_like(self.taken))
         return out
 
     def _pending(self) -> List[Tuple[int, int]]:
-        """(step, slot) of each pending gradient, oldest first."""
+        """(step, slot) of each pending gradient not taken yet, oldest first."""
         step, start = self.step, int(self.start.numpy())
         slots = self.schedule.flush_order(step, start)
-        return [(step - len(slots) + i, slot) for i, slot in enumerate(slots)]
+        taken = self.taken.numpy()
+        return [(step - len(slots) + i, slot) for i, slot in enumerate(slots) if not taken[slot]]
 
     def _settled(self) -> List[Tuple[int, List[tf.Tensor]]]:
         """Eagerly and collectively: each pending gradient reduced (reducing those not reduced
@@ -175,6 +209,7 @@ class GraphPipeline(tf.Module):
         self.step_counter.assign(step)
         self.start.assign(start)
         self.reduced.assign(tf.zeros_like(self.reduced))
+        self.taken.assign(tf.zeros_like(self.taken))
         by_name = {s.name: i for i, s in enumerate(self.specs)}
         for entry in in_flight:
             unknown = sorted(set(entry["grads"]) - set(by_name))
