@@ -84,6 +84,9 @@ class AutoSettings:
     sync_fraction: float = 0.05
     tolerance: float = TOLERANCE
     candidates: Tuple[str, ...] = CANDIDATES
+    pipelining: bool = True             # False: a width chosen here is 1 (Adam's kin without the accurate mode)
+    calls_per_update: int = 1           # calls of step() per pipeline step (2: staleness_correction="split_batch")
+    fresh_fraction: float = 0.0         # the share of a step's compute its reduction cannot hide behind
 
     @classmethod
     def from_arguments(cls, width: Any, compression: Any, measure_steps: Any = 10,
@@ -115,7 +118,8 @@ class AutoSettings:
 
     def entries(self) -> Tuple[Any, ...]:
         return (self.width, self.fixed_codec_name(), self.measure_steps, self.recheck_every,
-                self.sync_fraction, self.tolerance, tuple(self.candidates))
+                self.sync_fraction, self.tolerance, tuple(self.candidates), self.pipelining, self.calls_per_update,
+                self.fresh_fraction)
 
     def timed_codecs(self) -> List[Codec]:
         """What a check times, in order: the float32 all-reduce (the link for the model, the
@@ -260,7 +264,8 @@ class AutoController:
         self.hierarchical = topology is not None  # what a byte codec runs as until a decision
         self.history: List[AutoRecord] = []
         self.next_check: Optional[int] = settings.measure_steps
-        self._samples: Deque[float] = collections.deque(maxlen=settings.measure_steps)
+        # One sample per call of step(); a pipeline step is calls_per_update of them.
+        self._samples: Deque[float] = collections.deque(maxlen=settings.measure_steps * settings.calls_per_update)
         self._wait_started: Optional[float] = None
         self._last_end: Optional[float] = None
 
@@ -300,11 +305,13 @@ class AutoController:
         nbytes = 4 * sum(math.prod(spec.shape) for spec in engine.specs)
         previous = self.history[-1].measurements.compute_s if self.history else 0.0
         mine = {"step": engine.step, "settings": self.settings.entries(), "gradient_bytes": nbytes,
-                "compute_s": statistics.median(self._samples) if self._samples else previous}
+                "compute_s": statistics.median(self._samples) * self.settings.calls_per_update if self._samples
+                else previous}
         m = _slowest(self.comm.allgather_object(mine, GATHER_NAME))
+        s = self.settings
+        m = dataclasses.replace(m, fresh_fraction=s.fresh_fraction)
         if self.topology is not None:
             m = dataclasses.replace(m, local_size=self.topology.layout.local_size)
-        s = self.settings
         for codec, label, topology in self._timed(s) if m.ranks > 1 else ():  # one rank: nothing to time
             flat = self._flat(latest[-1]) if latest else self.ops.zeros((nbytes // 4,), "float32")
             hier = {} if topology is None else {"topology": topology, "node_dtype": self.node_dtype}
@@ -314,10 +321,11 @@ class AutoController:
                                     reduction_cpu_s={**m.reduction_cpu_s, label: max(c for _, c in theirs)})
             if label == "none":
                 m = dataclasses.replace(m, allreduce_s=m.reduction_s["none"])
-            if s.compression is None and settled(m, label, tolerance=s.tolerance, sync_fraction=s.sync_fraction):
+            if s.compression is None and settled(m, label, tolerance=s.tolerance, sync_fraction=s.sync_fraction,
+                                                 pipelining=s.pipelining):
                 break  # the lossier codecs cannot change the choice: not timed
         decision = decide_fixed(m, width=s.width, compression=s.fixed_codec_name(), sync_fraction=s.sync_fraction,
-                                tolerance=s.tolerance, candidates=self._labels(s.candidates))
+                                tolerance=s.tolerance, candidates=self._labels(s.candidates), pipelining=s.pipelining)
         self.history.append(AutoRecord(engine.step, m, decision))
         if self.comm.rank == 0:
             log.info("pipesgd_hvd auto, step %d: %s; measured (slowest of %d ranks): %s",

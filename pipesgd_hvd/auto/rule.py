@@ -13,7 +13,9 @@ The rule, from the timing model (``pipesgd_hvd.auto.model``), on numbers measure
   (the link fitted to the float32 all-reduce, the codec's encode + decode cost, if measured);
 * a pipelined step is predicted at ``max(compute + reduction CPU, reduction)``: the reduction
   hides behind compute, but the CPU it needs (the codec, the transport) is taken from compute,
-  which owns the rank's cores;
+  which owns the rank's cores. With ``staleness_correction="split_batch"`` a step is an update of
+  two calls, and its reduction hides behind the look-ahead part's compute only (a share 1 - f):
+  ``max((1 - f) compute + reduction CPU, reduction) + f compute``;
 * where each host holds several ranks and there are several hosts, a byte codec is a candidate
   twice: reduced hierarchically (``"int8/hier"``: float32 inside the host, compressed between
   hosts, ``compression/hierarchical.py``) and flat (``"int8"``); the hierarchical one counts as
@@ -23,7 +25,10 @@ The rule, from the timing model (``pipesgd_hvd.auto.model``), on numbers measure
   most that fraction: width 1, no compression (no staleness, no loss);
 * otherwise width 2 with the least lossy codec (``none`` < ``fp16`` < ``int8`` < ``int4``) whose
   predicted step is within ``tolerance`` of the fastest candidate's: communication hides under
-  compute if any codec can hide it, and a lossier codec is taken only when it is clearly faster.
+  compute if any codec can hide it, and a lossier codec is taken only when it is clearly faster;
+* where pipelining is not allowed (Adam's kin without the accurate mode: a whole gradient one
+  step stale costs them far more than any codec, docs/accuracy.md), width 1 with the least lossy
+  codec whose synchronous step is within ``tolerance`` of the fastest one's.
 
 Since no pipelined step is faster than compute, a candidate within ``tolerance`` of compute
 alone cannot be beaten by more than that by a lossier one: the measuring loop stops there
@@ -77,6 +82,7 @@ class Measurements:
     reduction_s: Mapping[str, float] = field(default_factory=dict)      # timed reductions, per codec
     reduction_cpu_s: Mapping[str, float] = field(default_factory=dict)  # the CPU each cost the rank
     local_size: int = 1                 # ranks per host (the same on every host)
+    fresh_fraction: float = 0.0         # the share of a step's compute its reduction cannot hide behind
 
 
 @dataclass(frozen=True)
@@ -123,17 +129,27 @@ def reduction_time(m: Measurements, label: str) -> float:
 
 
 def pipelined_step(m: Measurements, name: str) -> float:
-    """Predicted width-2 step with codec ``name``: ``max(compute + its CPU, the reduction)``."""
-    return max(m.compute_s + m.reduction_cpu_s.get(name, 0.0), reduction_time(m, name))
+    """Predicted width-2 step with codec ``name``: ``max(compute + its CPU, the reduction)``, or
+    with a fresh part f of the compute the reduction cannot hide behind,
+    ``max((1 - f) compute + its CPU, the reduction) + f compute``."""
+    fresh = m.fresh_fraction * m.compute_s
+    return max(m.compute_s - fresh + m.reduction_cpu_s.get(name, 0.0), reduction_time(m, name)) + fresh
 
 
-def settled(m: Measurements, name: str, *, tolerance: float = TOLERANCE, sync_fraction: float = 0.05) -> bool:
+def sync_step(m: Measurements, name: str) -> float:
+    """Predicted width-1 step with codec ``name``: compute, then the reduction."""
+    return sync_iteration_time(m.compute_s, reduction_time(m, name))
+
+
+def settled(m: Measurements, name: str, *, tolerance: float = TOLERANCE, sync_fraction: float = 0.05,
+            pipelining: bool = True) -> bool:
     """After timing ``name`` (candidates are timed least lossy first): does the choice no longer
     depend on the lossier ones? True when the float32 all-reduce keeps training synchronous, or
     when ``name``'s step is within ``tolerance`` of compute alone, the least any step can take."""
     if name == "none" and reduction_time(m, "none") <= sync_fraction * m.compute_s:
         return True
-    return pipelined_step(m, name) <= (1 + tolerance) * m.compute_s
+    step = pipelined_step(m, name) if pipelining else sync_step(m, name)
+    return step <= (1 + tolerance) * m.compute_s
 
 
 def decide(m: Measurements, *, sync_fraction: float = 0.05, tolerance: float = TOLERANCE,
@@ -162,15 +178,38 @@ def decide(m: Measurements, *, sync_fraction: float = 0.05, tolerance: float = T
                     + (f", + {cpu * 1e3:.1f} ms of reduction CPU" if cpu else "") + ")", predicted, hierarchical)
 
 
+def decide_synchronous(m: Measurements, *, tolerance: float = TOLERANCE,
+                       candidates: Sequence[str] = CANDIDATES) -> Decision:
+    """Width 1 (pipelining not allowed): the least lossy codec whose synchronous step is within
+    ``tolerance`` of the fastest's."""
+    names = [c for c in candidates if c in m.reduction_s] or list(candidates)
+    predicted = {name: sync_step(m, name) for name in names}
+    fastest = min(names, key=lambda n: predicted[n])
+    chosen = next(n for n in names if predicted[n] <= (1 + tolerance) * predicted[fastest])
+    name, hierarchical = split_label(chosen)
+    return Decision(1, name, "pipelining not allowed (Adam's kin without staleness_correction='split_batch'): "
+                    f"the least lossy codec within {tolerance:.0%} of the fastest synchronous step",
+                    {f"sync {n}": t for n, t in predicted.items()}, hierarchical)
+
+
 def decide_fixed(m: Measurements, *, width: Optional[int] = None, compression: Optional[str] = None,
                  sync_fraction: float = 0.05, tolerance: float = TOLERANCE,
-                 candidates: Sequence[str] = CANDIDATES) -> Decision:
+                 candidates: Sequence[str] = CANDIDATES, pipelining: bool = True) -> Decision:
     """:func:`decide` when the user fixed one of the two (``None`` = chosen here).
 
     * width fixed: the codec :func:`decide` picks (``none`` when it would stay synchronous);
     * codec fixed (by name; one the model does not know counts as uncompressed, a conservative
       guess): width 1 when that codec's reduction is under ``sync_fraction`` of compute, else 2.
+    * ``pipelining=False``: the width chosen here is 1 (:func:`decide_synchronous`).
     """
+    if not pipelining and width is None:
+        if m.ranks < 2:
+            return Decision(1, compression or "none", "a single rank has nothing to communicate", {})
+        if compression is None:
+            return decide_synchronous(m, tolerance=tolerance, candidates=candidates)
+        label = _fixed_codec_variant(m, compression, tolerance)
+        return Decision(1, compression, "compression fixed; pipelining not allowed (Adam's kin without "
+                        "staleness_correction='split_batch')", {"sync": sync_step(m, label)}, split_label(label)[1])
     if width is None and compression is None:
         return decide(m, sync_fraction=sync_fraction, tolerance=tolerance, candidates=candidates)
     if compression is None:

@@ -238,7 +238,8 @@ class OptimizerCore(PipelineLifecycle):
         pipelined = self._feeds and (last is None or last.step != this_step)
         call = Call(step=this_step, stale=last is not None and last.step != this_step,
                     stale_step=last.step if last is not None else this_step, applies=last is not None,
-                    pipelined=pipelined, local=self._local_gradients() if self.correction.needs_local else None)
+                    pipelined=pipelined, local=self._local_gradients() if self.correction.needs_local else None,
+                    loss_scaled=loss_scale is not None)
         grads: Grads = [None] * len(self.names) if last is None else [last.grads.get(i) for i in range(len(self.names))]
         with self.adapter.weights_guard():
             grads, applies = self.correction.before_update(call, grads)

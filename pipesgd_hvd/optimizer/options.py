@@ -84,6 +84,12 @@ class PipelineOptions:
         if refusal is not None:
             raise ValueError(refusal)
         correction = correction_class(options.staleness_correction)
+        if options.auto is not None:  # what the auto mode may choose, and what a step is
+            two_calls = correction.calls_per_update == 2
+            options = options.replace(auto=dataclasses.replace(
+                options.auto, calls_per_update=correction.calls_per_update,
+                fresh_fraction=options.fresh_fraction if two_calls else 0.0,
+                pipelining=two_calls or optimizer_family not in ("adam", "adaptive")))
         options = options.replace(advice=advice(optimizer_family, optimizer_name, width, options.staleness_correction,
                                                 chosen_by_auto, correction.calls_per_update))
         options.config("psgd")                   # bad pipeline settings fail here

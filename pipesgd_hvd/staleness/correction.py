@@ -87,7 +87,8 @@ class Call:
     an earlier step's, ``stale_step`` (False: this call's own, synchronous, or none);
     ``applies``: the pipeline has something to apply; ``pipelined``: past warm-up (this call's
     gradient is in flight); ``local``: this call's local gradients, when
-    :attr:`Correction.needs_local`."""
+    :attr:`Correction.needs_local`; ``loss_scaled``: an AMP loss scaler checks the update's
+    gradients for overflow (eagerly, on each rank)."""
 
     step: Step
     stale: Cond
@@ -95,6 +96,7 @@ class Call:
     applies: Cond
     pipelined: Cond
     local: Optional[Grads] = None
+    loss_scaled: bool = False
 
 
 class Correction:  # noqa: B024 - the identity is usable as it is

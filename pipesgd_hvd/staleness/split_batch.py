@@ -52,6 +52,12 @@ Cond = Any
 DEFAULT_FRESH_FRACTION = 0.5
 
 
+def _all_finite(ops: Any, grads: Grads) -> bool:
+    """Eagerly: every gradient finite (one host read)."""
+    flags = [ops.all(ops.reshape(ops.isfinite(g), (-1,)), 0) for g in grads if g is not None]
+    return not flags or bool(ops.to_numpy(ops.all(ops.stack(flags, 0), 0)))
+
+
 def check_fresh_fraction(value: Any) -> float:
     """``fresh_fraction``: the share f of each update's batch that call B computes, in (0, 1)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) < 1.0:
@@ -161,6 +167,12 @@ class SplitBatch(Correction):
                 elif g is not None:
                     g = ops.where(virtual, ops.read(self.local[i]), g)
             out.append(g)
+        if virtual is True and call.loss_scaled and not _all_finite(ops, out):
+            # A loss scaler decides on each rank alone what it sees: an overflow in this rank's
+            # own gradient would skip its step and lower its scale only, and the ranks' scales
+            # would part. The overflow rides in the all-reduce instead (every rank's scaler sees
+            # it at the real step); the look-ahead steps with zeros (momentum alone).
+            out = [None if g is None else ops.zeros(ops.shape(g), ops.dtype_name(g), like=g) for g in out]
         return out, or_(ops, call.applies, virtual)
 
     @contextlib.contextmanager
