@@ -259,3 +259,50 @@ def test_refusals_name_the_fix(options, words):
         psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
                                   communicator=LocalWorld(1, TORCH_OPS).communicator(0),
                                   staleness_correction="split_batch", **{"width": 2, **options})
+
+
+# ------------------------------------------------------------------------------ psgd.halves
+def test_halves_splits_a_batch_along_the_first_axis_through_structures():
+    x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+    (xa, ya), (xb, yb) = list(psgd.halves(x, y))
+    assert torch.equal(torch.cat([xa, xb]), x) and torch.equal(torch.cat([ya, yb]), y)
+    assert len(xa) == 3 and len(xb) == 2, "an odd count gives the extra sample to the look-ahead part"
+    a, b = list(psgd.halves({"ids": torch.zeros(8, 3), "mask": [torch.ones(8), torch.ones(8)]}))
+    assert a["ids"].shape == (4, 3) and b["mask"][1].shape == (4,)
+    quarter = [len(p) for p in psgd.halves(torch.zeros(8), fresh_fraction=0.25)]
+    assert quarter == [6, 2]
+
+
+@pytest.mark.parametrize("batch, words", [
+    ((torch.zeros(1, 3),), "a batch of 1 sample"),
+    ((torch.zeros(4), torch.zeros(5)), r"parts have \[4, 5\] samples"),
+    ((torch.tensor(3.0),), "without one"),
+])
+def test_halves_names_what_cannot_be_split(batch, words):
+    with pytest.raises(ValueError, match=words):
+        list(psgd.halves(*batch))
+
+
+def test_the_documented_loop_with_halves_trains_as_the_reference():
+    """The one more line of docs/options.md: the loader's batches unchanged, each split by halves()."""
+    world, batches = LocalWorld(2, TORCH_OPS), make_batches(6, 2)
+    halved = [[None] * 2 for _ in range(12)]
+    for t in range(6):
+        for r in range(2):
+            a, b = psgd.halves(*batches[t][r])
+            halved[2 * t][r], halved[2 * t + 1][r] = a, b
+
+    def rank_fn(rank, comm):
+        model = make_model()
+        opt = psgd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                        communicator=comm, staleness_correction="split_batch")
+        for t in range(6):
+            for x, y in psgd.halves(*batches[t][rank]):
+                opt.zero_grad()
+                loss_fn(model, (x, y)).backward()
+                opt.step()
+        opt.flush()
+        return [p.detach().clone() for p in model.parameters()]
+
+    got = run_threads(world, rank_fn)
+    assert_same(got[0], reference(sgd, halved, 12, 2))

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -24,12 +24,19 @@ from .problems import Batch, problem as make_problem
 from .tasks import CONFIGS, TASKS, WARMUP_FRACTION, Config, Task, configs_for, lr_factor
 
 
-def calls(batches: Iterable[Batch], split: bool) -> Iterator[Batch]:
-    """Each update's batch as the optimizer's calls take it: whole, or (split_batch: two calls per
-    update) its first half, then its second, so an update sees the synchronous run's samples."""
+def calls(batches: Iterable[Batch], config: Config) -> Iterator[Tuple[Batch, bool]]:
+    """Each update's batch as the optimizer's calls take it, with whether the call ends the update:
+    whole, or (two calls per update) split by ``psgd.halves`` as docs/options.md says, so an
+    update sees the synchronous run's samples."""
+    import pipesgd_hvd.torch as psgd
+
     for x, y in batches:
-        half = len(x) // 2
-        yield from ((x[:half], y[:half]), (x[half:], y[half:])) if split else ((x, y),)
+        if config.calls_per_update == 1:
+            yield (x, y), True
+            continue
+        parts = list(psgd.halves(x, y, fresh_fraction=config.fresh))
+        yield parts[0], False
+        yield parts[1], True
 
 
 @dataclass
@@ -56,16 +63,16 @@ def make_run(task: Task, prob: Any, cfg: Config, seed: int, lr: float, size: int
         import horovod.torch as hvd
 
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    total_calls = updates * cfg.calls_per_update
     warmup = round(WARMUP_FRACTION * updates) if task.schedule == "cosine" else 0
     # names unique per run: the runs share a process, and Horovod refuses two in-flight collectives of one name
     opts = [psgd.DistributedOptimizer(inner, named_parameters=[(f"{tag}.{i}.{n}", p) for n, p in named],
                                       width=cfg.width, compression=getattr(psgd.Compression, cfg.compression),
                                       staleness_correction=cfg.correction or False,
+                                      **({"fresh_fraction": cfg.fresh} if cfg.correction == "split_batch" else {}),
                                       communicator=communicator() if communicator else None)
             for i, (inner, named) in enumerate(build(task.optimizer, list(model.named_parameters()), lr, size,
                                                      task.momentum, task.betas, task.weight_decay, warmup))]
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda call: lr_factor(task.schedule, call, total_calls))
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda update: lr_factor(task.schedule, update, updates))
                   for opt in opts]
     return Run(cfg, seed, lr, model, opts, schedulers)
 
@@ -77,14 +84,15 @@ def train_segment(run: Run, prob: Any, segment: int, last: bool) -> None:
     run.model.train()
     losses = []
     start = time.perf_counter()
-    for x, y in calls(prob.batches(run.seed, segment), run.config.calls_per_update == 2):
+    for (x, y), update_ends in calls(prob.batches(run.seed, segment), run.config):
         for opt in run.opts:
             opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(run.model(x).flatten(0, -2), y.flatten())
         loss.backward()
         for opt, scheduler in zip(run.opts, run.schedulers):
             opt.step()
-            scheduler.step()
+            if update_ends:
+                scheduler.step()
         losses.append(float(loss.detach()))
     if last:
         for opt in run.opts:

@@ -19,10 +19,12 @@ from horovod.tensorflow.keras import (  # noqa: F401
 from ..comm.base import PeerLostError
 from ..compression import Compression
 from ..pipeline.guards import ReplicaDriftError, StepCountMismatchError
+from ..staleness.choice import AccuracyWarning
+from ..staleness.halves import halves
 from ..tensorflow.optimizer import DistributedOptimizer, load_model
 from . import callbacks, elastic
 from .callbacks import broadcast_global_variables, broadcast_variables
 
-__all__ = ["Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
+__all__ = ["AccuracyWarning", "Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
            "StepCountMismatchError", "Sum", "broadcast_global_variables", "broadcast_variables", "callbacks",
-           "elastic", "load_model"]
+           "elastic", "halves", "load_model"]

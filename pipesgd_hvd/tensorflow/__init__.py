@@ -5,6 +5,8 @@ use it with ``tf.GradientTape`` and ``optimizer.apply_gradients(zip(grads, varia
 eagerly or inside ``tf.function`` (where the reduction overlaps the next step's compute).
 """
 from ..compression import Compression
+from ..staleness.choice import AccuracyWarning
+from ..staleness.halves import halves
 from .optimizer import DistributedOptimizer
 
-__all__ = ["Compression", "DistributedOptimizer"]
+__all__ = ["AccuracyWarning", "Compression", "DistributedOptimizer", "halves"]

@@ -1,8 +1,9 @@
 """``import pipesgd_hvd.torch as hvd``: Horovod's PyTorch API with a pipelined DistributedOptimizer.
 
 Everything public in ``horovod.torch`` (init, rank, size, broadcast_parameters, allreduce, ...)
-is handed through unchanged; ``DistributedOptimizer``, ``Compression`` and ``join`` (uneven data
-per rank, with a pipelined optimizer) are pipesgd_hvd's.
+is handed through unchanged; ``DistributedOptimizer``, ``Compression``, ``join`` (uneven data
+per rank, with a pipelined optimizer), ``halves`` (the two calls of an update in the accurate
+mode) and ``AccuracyWarning`` are pipesgd_hvd's.
 Importing this module does not import TensorFlow.
 """
 try:
@@ -19,6 +20,8 @@ from ..comm.base import PeerLostError  # noqa: E402
 from ..compression import Compression  # noqa: E402
 from ..pipeline.guards import ReplicaDriftError, StepCountMismatchError  # noqa: E402
 from .distributed_optimizer import DistributedOptimizer, join  # noqa: E402,F811 (ours replaces Horovod's join)
+from ..staleness.choice import AccuracyWarning  # noqa: E402
+from ..staleness.halves import halves  # noqa: E402
 
-__all__ = ["Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
-           "StepCountMismatchError", "Sum", "join"]
+__all__ = ["AccuracyWarning", "Average", "Compression", "DistributedOptimizer", "PeerLostError", "ReplicaDriftError",
+           "StepCountMismatchError", "Sum", "halves", "join"]
