@@ -35,44 +35,45 @@ class TinyText:
 # ------------------------------------------------------------------------------ what a run sees
 
 
-def test_split_batch_calls_see_the_synchronous_batches_half_by_half():
+@pytest.mark.parametrize("key, first", [("w2-split", 3), ("w2-splitq", 4)])
+def test_split_batch_calls_see_the_synchronous_batches_part_by_part(key, first):
     prob = TinyText(batch=6, updates=5)
-    whole = list(worker.calls(prob.batches(seed=1, segment=2), split=False))
-    halves = list(worker.calls(prob.batches(seed=1, segment=2), split=True))
-    assert len(whole) == 5 and len(halves) == 10
-    for u, (x, y) in enumerate(whole):
-        (xa, ya), (xb, yb) = halves[2 * u], halves[2 * u + 1]
-        assert xa.shape == (3, problems.CONTEXT)
+    whole = list(worker.calls(prob.batches(seed=1, segment=2), CONFIGS["sync"]))
+    parts = list(worker.calls(prob.batches(seed=1, segment=2), CONFIGS[key]))
+    assert len(whole) == 5 and len(parts) == 10
+    assert [ends for _, ends in whole] == [True] * 5 and [ends for _, ends in parts] == [False, True] * 5
+    for u, ((x, y), _) in enumerate(whole):
+        ((xa, ya), _), ((xb, yb), _) = parts[2 * u], parts[2 * u + 1]
+        assert xa.shape == (first, problems.CONTEXT)
         assert torch.equal(torch.cat([xa, xb]), x) and torch.equal(torch.cat([ya, yb]), y)
 
 
-def test_split_batch_run_makes_as_many_updates_as_the_synchronous_one():
-    """Twice the calls, half the batch: AdamW steps as often as in the synchronous run (after
-    flush), and the split run's schedule spans its calls."""
+@pytest.mark.parametrize("key", ["w2-split", "w2-acco"])
+def test_a_two_call_run_makes_as_many_updates_at_the_synchronous_run_s_rates(key):
+    """Twice the calls, half the batch each: AdamW steps as often as in the synchronous run (after
+    flush), and the schedule is stepped once per update, as docs/options.md says."""
     task, updates = TASKS["stdlib-lm"], 6
     prob = TinyText(batch=4, updates=updates)
     steps, lrs = {}, {}
-    for key in ("sync", "w2-split"):
-        run = worker.make_run(task, prob, CONFIGS[key], 0, 1e-3, 1, updates, key, local)
+    for key_ in ("sync", key):
+        run = worker.make_run(task, prob, CONFIGS[key_], 0, 1e-3, 1, updates, key_, local)
         seen = []
         run.opts[0].register_step_post_hook(lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
         worker.train_segment(run, prob, 0, last=True)
-        steps[key] = run.opts[0]._optimizer.state[next(run.model.parameters())]["step"].item()
-        lrs[key] = seen
-    assert steps == {"sync": updates, "w2-split": updates}
-    assert len(lrs["w2-split"]) == 2 * len(lrs["sync"]) == 2 * updates
-    assert lrs["w2-split"] == pytest.approx([1e-3 * lr_factor("cosine", c, 2 * updates) for c in range(2 * updates)])
+        steps[key_] = run.opts[0]._optimizer.state[next(run.model.parameters())]["step"].item()
+        lrs[key_] = seen
+    assert steps == {"sync": updates, key: updates}
+    assert lrs["sync"] == pytest.approx([1e-3 * lr_factor("cosine", u, updates) for u in range(updates)])
+    assert lrs[key] == pytest.approx([lr for lr in lrs["sync"] for _ in range(2)]), "one rate per update"
 
 
-def test_cosine_schedule_over_calls():
+def test_cosine_schedule_over_updates():
     total = 100
     factors = [lr_factor("cosine", c, total) for c in range(total)]
     warmup = round(WARMUP_FRACTION * total)
     assert factors[:warmup] == pytest.approx([(c + 1) / warmup for c in range(warmup)])
     assert factors[warmup] == 1.0 and 0 < factors[-1] < 1e-3
     assert all(a >= b for a, b in zip(factors[warmup:], factors[warmup + 1:]))
-    # twice the calls: the same curve, the warm-up ending at the same update
-    assert [lr_factor("cosine", 2 * u, 2 * total) for u in range(warmup, total)] == pytest.approx(factors[warmup:])
     assert {lr_factor("constant", c, total) for c in range(total)} == {1.0}
     with pytest.raises(ValueError, match="unknown schedule"):
         lr_factor("linear", 0, total)
@@ -134,10 +135,11 @@ def test_muon_recipe_trains_with_two_wrapped_optimizers():
 
 
 def test_configs_follow_the_optimizer():
-    assert "w2-adam-int8" in configs_for(TASKS["stdlib-lm"], None) and "w2-split" in TASKS["pydoc-lm"].configs
+    assert "w2-split-int8" in configs_for(TASKS["stdlib-lm"], None) and "w2-auto-int8" in TASKS["pydoc-lm"].configs
     assert all(CONFIGS[k].correction != "adam_prediction" for k in configs_for(TASKS["shapes"], None))
     assert configs_for(TASKS["stdlib-nadamw"], ["sync", "w2-adam", "w2-int8"]) == ("sync", "w2-int8")
-    assert CONFIGS["w2-split-int8"].calls_per_update == 2 and CONFIGS["w2-eager"].calls_per_update == 1
+    assert CONFIGS["w2-split-int8"].calls_per_update == 2 and CONFIGS["w2-acco"].calls_per_update == 2
+    assert CONFIGS["w2-eager"].calls_per_update == 1 and CONFIGS["w2-auto-int8"].calls_per_update == 1
 
 
 # ---------------------------------------------------------------------- the record and the page

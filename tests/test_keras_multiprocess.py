@@ -37,12 +37,21 @@ def test_horovods_keras_callbacks_work_on_keras_3(scripts_out):
 
 
 @pytest.mark.multiprocess
-def test_keras_digits_width_1_and_2_reach_95_percent_within_a_point():
+def test_keras_digits_width_1_and_2_and_the_accurate_mode_in_fit():
+    """The digits example under horovodrun, model.fit building the optimizer itself: widths 1 and 2
+    with SGD, and the accurate mode (split_batch with int8+EF, fit's batch size halved: the one line
+    it changes) with SGD and AdamW, each within 0.5 point of its synchronous run and with bitwise
+    equal replicas. Before the optimizer's snapshot took the variables' shapes, the accurate mode
+    failed at its first update in fit ("Shape mismatch ... (0,)")."""
     import re
 
-    out = run_ranks("../examples/keras_digits.py", "--configs", "1:none", "2:none", timeout=400)
-    found = dict(re.findall(r"width=(\d) none\s+([0-9.]+)", out))
-    assert set(found) == {"1", "2"}, out[-3000:]
-    sync, pipelined = float(found["1"]), float(found["2"])
-    assert sync >= 0.95 and pipelined >= 0.95, found
-    assert abs(sync - pipelined) <= 0.01, found
+    out = run_ranks("../examples/keras_digits.py", "--optimizer", "sgd", "adamw",
+                    "--configs", "1:none", "2:none", "2:int8:split_batch", timeout=600)
+    found = {k: (float(a), eq) for k, a, eq in re.findall(r"  (\w+ [\w:]+)\s+([0-9.]+)\s+\(.*replicas (\w+)\)", out)}
+    assert len(found) == 6, out[-3000:]
+    assert all(eq == "equal" for _, eq in found.values()), found
+    sgd_sync, sgd_w2 = found["sgd 1:none"][0], found["sgd 2:none"][0]
+    assert sgd_sync >= 0.95 and sgd_w2 >= 0.95 and abs(sgd_sync - sgd_w2) <= 0.01, found
+    for name in ("sgd", "adamw"):
+        sync, accurate = found[f"{name} 1:none"][0], found[f"{name} 2:int8:split_batch"][0]
+        assert sync >= 0.95 and accurate >= sync - 0.005, found
