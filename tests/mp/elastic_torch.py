@@ -2,7 +2,7 @@
 killed mid-pipeline, training goes on. Run by tests/test_elastic.py under
 ``horovodrun --gloo --min-np 1 --max-np 3 --host-discovery-script DIR/discover.sh``.
 
-Usage: DIR STEPS JOIN_HOST [--optimizer pipesgd|horovod]
+Usage: DIR STEPS JOIN_HOST [--optimizer pipesgd|horovod] [--correction split_batch]
 
 The discovery script prints ``DIR/hosts``. Each host name (localhost, 127.0.0.1, JOIN_HOST: all
 this machine; JOIN_HOST is another name Horovod runs locally, e.g. the machine's host name) carries
@@ -17,7 +17,9 @@ JSON line per event to ``DIR/log.jsonl`` for the test to check. Every rank check
 before each commit.
 
 ``--optimizer horovod`` runs the same schedule with Horovod's own DistributedOptimizer (the
-baseline that shows Horovod elastic works on this machine).
+baseline that shows Horovod elastic works on this machine). ``--correction split_batch``: the
+accurate mode (two calls per update; each rank's look-ahead in its model between calls, so the
+replicas compared are the real weights, ``opt.real_weights()``).
 """
 import argparse
 import hashlib
@@ -34,6 +36,7 @@ parser.add_argument("dir")
 parser.add_argument("steps", type=int)
 parser.add_argument("join_host")
 parser.add_argument("--optimizer", default="pipesgd", choices=["pipesgd", "horovod"])
+parser.add_argument("--correction", default=None, choices=["split_batch"])
 args = parser.parse_args()
 
 JOIN, KILL, COMMIT_EVERY, JOIN_WAIT = 4, 14, 3, 40.0
@@ -48,7 +51,7 @@ if args.optimizer == "pipesgd":
     import pipesgd_hvd.torch as psgd
 
     opt = psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), width=2,
-                                    compression="int8")
+                                    compression="int8", staleness_correction=args.correction or False)
 else:
     opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
 
@@ -85,7 +88,12 @@ def log(event: str, **fields) -> None:
 def check_replicas(state, event: str) -> None:
     """Every rank holds the same weights, step count, in-flight gradient and batch counter."""
     step, in_flight, pending = pipeline_view()
-    mine = (digest(model.parameters()), step, in_flight, pending, state.batch)
+    if args.optimizer == "pipesgd":
+        with opt.real_weights():
+            weights = digest(model.parameters())
+    else:
+        weights = digest(model.parameters())
+    mine = (weights, step, in_flight, pending, state.batch)
     views = hvd.allgather_object((HOST, mine), name=f"check.{event}.{state.rendezvous}.{state.batch}")
     if len({view for _, view in views}) != 1:
         raise AssertionError(f"{event}: replicas differ across ranks: {views}")
