@@ -36,13 +36,15 @@ class Reduction:
 
     def __init__(self, wait: Callable[[], Tuple[Tensor, int]], done: Optional[Callable[[], bool]] = None,
                  future: Any = None) -> None:
-        self._wait, self._done, self.future = wait, done, future
+        # Plain attributes, not methods: a caller's wait() and done() run the producer's own
+        # functions (the engine's step path stays in the engine's file, issue 41).
+        self.wait: Callable[[], Tuple[Tensor, int]] = wait
+        self.done: Callable[[], bool] = done if done is not None else _unknown
+        self.future = future
 
-    def wait(self) -> Tuple[Tensor, int]:
-        return self._wait()
 
-    def done(self) -> bool:
-        return self._done() if self._done is not None else False
+def _unknown() -> bool:
+    return False
 
 
 def reduce_bucket(ops: TensorOps, comm: Communicator, codec: Codec, flat: Tensor, *, name: str, key: str,

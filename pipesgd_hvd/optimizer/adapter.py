@@ -25,8 +25,9 @@ class FrameworkSide(Protocol):
 
     def weights(self) -> List[Tensor]:
         """The tensors themselves (the corrections write them, inside ``weights_guard()``)."""
-    def weights_guard(self) -> ContextManager[Any]:
-        """The context to write them in (``torch.no_grad``)."""
+    #: The context to write them in (``torch.no_grad``): the framework's own, so that the core,
+    #: which enters it on every step, does not call back into the adapter.
+    weights_guard: Callable[[], ContextManager[Any]]
     def check_adam_support(self) -> None:
         """Raises a ValueError naming the fix unless the wrapped optimizer is Adam/AdamW."""
     def adam_state(self, index: int) -> Optional[AdamState]:

@@ -39,7 +39,7 @@ from ..ops.base import Tensor
 from ..pipeline.config import PipelineConfig
 from ..pipeline.engine import AppliedStep, PipelineEngine
 from ..pipeline.stall import StallInspector
-from ..staleness.correction import Call, Grads
+from ..staleness.correction import Call, Correction, Grads
 from . import checkpoint
 from .adapter import TrainingAdapter
 from .elastic import is_elastic_job
@@ -240,15 +240,18 @@ class OptimizerCore(PipelineLifecycle):
                     stale_step=last.step if last is not None else this_step, applies=last is not None,
                     pipelined=pipelined, local=self._local_gradients() if self.correction.needs_local else None,
                     loss_scaled=loss_scale is not None)
+        self._call = call
+        self._synchronized = True
+        if type(self.correction) is Correction:  # the identity: the pipeline's average, as it is
+            self._apply_pending = last is not None
+            return None if last is None else Update(last.grads, self._ratio(last, loss_scale), owned=last.owned)
         grads: Grads = [None] * len(self.names) if last is None else [last.grads.get(i) for i in range(len(self.names))]
         with self.adapter.weights_guard():
             grads, applies = self.correction.before_update(call, grads)
-        self._call = call
-        self._synchronized = True
         self._apply_pending = bool(applies)
         if not self._apply_pending:
             return None
-        if last is not None and grads is not None and all(g is last.grads.get(i) for i, g in enumerate(grads)):
+        if last is not None and all(g is last.grads.get(i) for i, g in enumerate(grads)):
             return Update(last.grads, self._ratio(last, loss_scale), owned=last.owned)
         return Update({i: g for i, g in enumerate(grads) if g is not None}, self._ratio(last, loss_scale))
 
@@ -258,7 +261,12 @@ class OptimizerCore(PipelineLifecycle):
         may hand in what it kept of an earlier call for a tensor without a gradient in this one."""
         if self._feeds and not engine.step_open:
             engine.begin_step(self.adapter.trainable())
-        trainable = engine.open_indices if self._feeds else self.adapter.trainable()
+        if self._feeds:
+            trainable = engine.open_indices
+        elif self._watched and self._handed.issuperset(self._watched):
+            trainable = self._watched  # every watched tensor reported: nothing to ask the framework
+        else:
+            trainable = tuple(self.adapter.trainable())
         if len(self._handed) < len(trainable):
             for i in trainable:
                 if i in self._handed:
@@ -269,9 +277,9 @@ class OptimizerCore(PipelineLifecycle):
                     kept = self.correction.kept_gradient(i)
                     if kept is not None:
                         engine.add_gradient_(i, kept)
-        if trainable != self._watched:  # tensors unfrozen since: their hooks start now
+        if tuple(trainable) != tuple(self._watched):  # tensors unfrozen since: their hooks start now
             self.adapter.watch_gradients(self.gradient_ready)
-            self._watched = trainable
+            self._watched = tuple(trainable)
 
     def _local_gradients(self) -> Grads:
         adapter = self.adapter
@@ -316,7 +324,7 @@ class OptimizerCore(PipelineLifecycle):
         self._synchronized = self._apply_pending = False
         self._call = None
         correction = self.correction
-        if call is None:  # flush()'s updates: nothing to wrap
+        if call is None or type(correction) is Correction:  # nothing to wrap
             yield
             return
         with self.adapter.weights_guard():

@@ -37,6 +37,7 @@ import collections
 import concurrent.futures
 import hashlib
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -146,8 +147,16 @@ class PipelineEngine:
         self._flag_unit = prescale * postscale_factor(config.op, postscale, comm.size)
         self._own_inspector = inspector is None
         self.inspector = inspector if inspector is not None else StallInspector.for_comm(comm, config.name)
-        self.inspector.step_begun(self._step - 1)
+        self.inspector.step_begun(self._step - 1)  # starts its monitor where there is a board
         self.inspector.step_ended(self._step)
+        # What every step asks, answered once (the step path stays in this file, issue 41): the
+        # schedule's width and warm-up, the replica check's period, the world's size, and each
+        # fusion layout's float32 ring bytes (_fp32_bytes); the inspector's status is written in place.
+        self._width, self._warmup = config.width, config.warmup_steps
+        self._replicas_every = config.check_replicas_every
+        self._size = comm.size
+        self._fp32_bytes: Dict[str, int] = {}
+        self._status = self.inspector.status
         if check_ranks:
             check_pipeline_agrees(comm, config, codec.name, self.specs)
 
@@ -232,7 +241,7 @@ class PipelineEngine:
             self.ops.fill_(buffers[-1], flags[0], size, 0.0)
             if not joined:
                 self.ops.fill_(buffers[-1], flags[0] + self.comm.rank, 1, 1.0)
-        self.inspector.step_begun(self._step)
+        self._status.begun, self._status.thread = self._step + 1, threading.get_ident()  # inspector.step_begun
         self._current = _Step(self._step, layout, buffers, [0] * len(layout.buckets),
                               checked=layout.key in self._checked_sets, reductions=[None] * len(layout.buckets))
         self._next_launch = 0
@@ -265,11 +274,11 @@ class PipelineEngine:
         if cur is None:
             raise RuntimeError("end_step() without an open step")
         self._close(cur, meta)
-        width = self.schedule.width_at(cur.step)
+        width = 1 if cur.step < self._warmup else self._width  # schedule.width_at
         applied = []
         while len(self._queue) >= width:
             applied.append(self._finish(self._queue.popleft()))
-        self.inspector.step_ended(self._step)
+        self._status.ended, self._status.since = self._step, time.monotonic()  # inspector.step_ended
         return applied
 
     def _close(self, cur: _Step, meta: Any) -> None:
@@ -373,6 +382,8 @@ class PipelineEngine:
     def replica_check_due(self) -> bool:
         """Whether the open step is one where :meth:`check_replicas` runs (every
         ``check_replicas_every`` steps; the same answer on every rank)."""
+        if not self._replicas_every:
+            return False
         return bool(self.schedule.replica_check_due(self._step)) and self._replicas_agreed_at != self._step
 
     def check_replicas(self, named: Sequence[Tuple[str, Any]], joined: bool = False) -> None:
@@ -503,8 +514,9 @@ class PipelineEngine:
 
         def wait() -> Tuple[Tensor, int]:
             out, sent, done = future.result()
-            ops.wait_marker(done)
-            ops.record_use(out)
+            if done is not None:  # a device's stream (CUDA); nothing to order on the host
+                ops.wait_marker(done)
+                ops.record_use(out)
             return out, sent
 
         return Reduction(wait, done=future.done, future=future)
@@ -524,24 +536,42 @@ class PipelineEngine:
             grads: Dict[int, Tensor] = {}
             flags = self._flag_at.get(s.layout.key)
             last = len(s.layout.buckets) - 1
+            owned = not self.codec.summable
             for bucket, reduction in zip(s.layout.buckets, s.reductions):
                 assert reduction is not None
-                try:
-                    flat, sent = self.inspector.wait(reduction, s.step, bucket.index, "the reduction")
-                except BaseException as exc:  # a lost peer, a timeout, a verdict, or an interrupt mid-wait
-                    self._fail(exc)
-                    raise
+                flat, sent = self._wait(reduction, s, bucket.index)
                 self.stats.bytes_sent += sent
-                for m in bucket.members:
-                    grads[m.index] = self.ops.view(flat, m.offset, m.numel, m.shape)
-                if flags is not None and bucket.index == last:  # a copy: the buffer is reused
-                    s.flags = self.ops.new_state(self.ops.view(flat, flags[0], self.comm.size, (self.comm.size,)))
-            self.stats.fp32_bytes += self.schedule.fp32_wire_bytes(s.layout, self.comm.size)
+                for m in bucket.members:  # views, as ops.view makes them (numpy and torch slice alike)
+                    grads[m.index] = flat[m.offset:m.offset + m.numel].reshape(m.shape)
+                if flags is not None and bucket.index == last:
+                    # A byte codec's decoded bucket is never written again (past the gradients'
+                    # views): its flags are read there; a fusion buffer is reused, so copied.
+                    region = flat[flags[0]:flags[0] + self._size]
+                    s.flags = region if owned else self.ops.new_state(region)
+            fp32 = self._fp32_bytes.get(s.layout.key)
+            if fp32 is None:
+                fp32 = self._fp32_bytes[s.layout.key] = self.schedule.fp32_wire_bytes(s.layout, self._size)
+            self.stats.fp32_bytes += fp32
             self.stats.steps += 1
             s.grads, s.reductions = grads, []
         # A byte codec's reduced bucket is its decode's new output, never a fusion buffer (a
         # summable codec reduces in the buffer itself, which the step after next refills).
         return AppliedStep(s.step, s.grads, s.meta, self._membership(s.flags), owned=not self.codec.summable)
+
+    def _wait(self, reduction: Reduction, s: _Step, bucket: int) -> Tuple[Tensor, int]:
+        """A reduction's result: at once where it is there (the usual case when the pipeline
+        hides it), else through the stall inspector (no silent wait, a verdict on a lost peer);
+        a failure stops the pipeline."""
+        try:
+            if reduction.done():
+                try:
+                    return reduction.wait()
+                except BaseException:  # noqa: BLE001 - the inspector says why, with the board's words
+                    pass
+            return self.inspector.wait(reduction, s.step, bucket, "the reduction")
+        except BaseException as exc:  # a lost peer, a timeout, a verdict, or an interrupt mid-wait
+            self._fail(exc)
+            raise
 
     def _membership(self, flags: Any) -> Optional[Callable[[], List[bool]]]:
         """Reads the reduced flags: a training rank's is ``flag_unit`` (1 times the scale factors),

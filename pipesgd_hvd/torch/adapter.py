@@ -45,8 +45,9 @@ class TorchAdapter:
     def weights(self) -> List[torch.Tensor]:
         return self.params
 
-    def weights_guard(self) -> ContextManager[Any]:
-        return torch.no_grad()
+    #: The context the staleness corrections write the parameters in (a value handed down, not a
+    #: method: the optimizer core calls it on every step without calling back into this file).
+    weights_guard: Callable[[], ContextManager[Any]] = torch.no_grad
 
     def replica_fingerprints(self) -> List[Tuple[str, Any]]:
         return host_fingerprints(self.named)  # computed on the device; one small copy
