@@ -147,23 +147,24 @@ class NumpyAdapter:
     def local_gradient(self, index):
         return self.grads[index]
 
-    def write_gradients(self, grads, scale, owned=False):
-        self.grads = [None if grads.get(i) is None else np.array(grads[i]) * scale for i in range(len(SHAPES))]
+    def write(self, update):
+        if update is None:  # nothing to apply while the pipeline fills
+            for g in self.grads:
+                if g is not None:
+                    g[...] = 0
+            return
+        self.grads = [None if update.grads.get(i) is None else np.array(update.grads[i]) * update.scale
+                      for i in range(len(SHAPES))]
 
-    def zero_gradients(self):
-        for g in self.grads:
-            if g is not None:
-                g[...] = 0
-
-    def apply_update(self, closure=None):
+    def apply(self, update, check_finite):
+        if update is not None:
+            self.write(update)
         sgd_(self.params, self.grads)
         self.updates += 1
+        return True
 
     def loss_scale(self):
         return None
-
-    def gradients_finite(self):
-        return True
 
     def gradients_all_zero(self):
         return False
@@ -174,8 +175,7 @@ class NumpyAdapter:
     def weights(self):
         return self.params
 
-    def weights_guard(self):
-        return contextlib.nullcontext()
+    weights_guard = contextlib.nullcontext
 
     def replica_fingerprints(self):
         return [(s.name, p) for s, p in zip(SPECS, self.params)]
@@ -204,6 +204,17 @@ class NumpyAdapter:
         self.grads = [None] * len(SHAPES)
 
 
+def step(core, adapter):
+    """What a framework's step() does with the core (torch/distributed_optimizer.py's, less its checks)."""
+    adapter.write(core.synchronize(adapter.loss_scale()))
+    if not core.apply_pending:
+        core.no_update()
+        return
+    with core.updating():
+        sgd_(adapter.params, adapter.grads)
+        adapter.updates += 1
+
+
 def run_core(width, warmup, steps, flush, restart_at=None):
     options = PipelineOptions.from_arguments(width=width, warmup_steps=warmup, fusion_threshold_mb=THRESHOLD / 2**20)
 
@@ -221,7 +232,7 @@ def run_core(width, warmup, steps, flush, restart_at=None):
                 core.load_state_dict(saved[1])
             adapter.zero_grad()
             adapter.backward(t, rank)
-            core.step()
+            step(core, adapter)
         if flush:
             core.flush()
         return adapter.params, adapter.updates

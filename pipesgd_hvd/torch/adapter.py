@@ -110,10 +110,14 @@ class TorchAdapter:
     def apply(self, update: Any, check_finite: bool) -> bool:
         if update is not None:
             self.write(update)
-        if check_finite and not _all_true([torch.isfinite(p.grad).all() for p in self.params if p.grad is not None]):
+        if check_finite and not self.gradients_finite():
             return False
         self.optimizer.step()
         return True
+
+    def gradients_finite(self) -> bool:
+        # One host read for all of them, not one per parameter.
+        return _all_true([torch.isfinite(p.grad).all() for p in self.params if p.grad is not None])
 
     def gradients_all_zero(self) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
