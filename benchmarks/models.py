@@ -195,6 +195,7 @@ class ZooModel:
     tensors: int
     inputs: Callable[[int, torch.Generator, int], torch.Tensor]
     default_size: int
+    sizes: Tuple[int, int]  # the input sizes it takes: an image side >= 64 (2x2 in the last stage: batch norm needs more than one value), a sequence up to its positions
     device_step: DeviceStep
 
 
@@ -207,15 +208,15 @@ def _tokens(vocab: int) -> Callable[[int, torch.Generator, int], torch.Tensor]:
 
 
 MODELS: Dict[str, ZooModel] = {m.name: m for m in (
-    ZooModel("resnet50", ResNet50, 25_557_032, 161, _images, 224, DeviceStep(
+    ZooModel("resnet50", ResNet50, 25_557_032, 161, _images, 224, (64, 4096), DeviceStep(
         0.104, "256 images of 224x224", "NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5 README, training "
         "performance on DGX A100 80GB: 2470 img/s on 1 GPU, mixed precision, 256 images per GPU (the recipe's "
         "batch): 256 / 2470 = 104 ms")),
-    ZooModel("bert-base", BertBase, 109_482_240, 199, _tokens(30522), 128, DeviceStep(
+    ZooModel("bert-base", BertBase, 109_482_240, 199, _tokens(30522), 128, (1, 512), DeviceStep(
         0.101, "32 sequences of 384 tokens", "NVIDIA DeepLearningExamples, TensorFlow2 ELECTRA README (ELECTRA-base's "
         "discriminator is BERT-base's encoder), SQuAD fine-tuning on DGX A100 40GB: 317 sequences/s on 1 GPU, "
         "mixed precision, 32 sequences of 384 tokens per GPU: 32 / 317 = 101 ms")),
-    ZooModel("gpt2", GPT2Small, 124_439_808, 148, _tokens(50257), 1024, DeviceStep(
+    ZooModel("gpt2", GPT2Small, 124_439_808, 148, _tokens(50257), 1024, (1, 1024), DeviceStep(
         0.135, "12 sequences of 1024 tokens", "karpathy/nanoGPT README, efficiency notes: 135 ms per iteration with "
         "torch.compile, bench.py's defaults (12 sequences of 1024 tokens, bfloat16; the repository's GPT-2 runs "
         "are on A100 40GB)")),

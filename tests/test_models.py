@@ -43,7 +43,7 @@ def test_layers_own_every_parameter_once_in_parameter_order(built):
 def test_a_forward_pass_gives_every_parameter_a_gradient(built):
     name, model = built
     spec = models.zoo(name)
-    x = spec.inputs(2, torch.Generator().manual_seed(0), 32 if name == "resnet50" else 8)
+    x = spec.inputs(2, torch.Generator().manual_seed(0), 64 if name == "resnet50" else 8)
     model(x).float().square().mean().backward()
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
     model.zero_grad(set_to_none=True)
