@@ -108,11 +108,14 @@ class Configurations:
     starts and dropped when it ends (copies of one template), so that one copy lives at a time: a
     model-zoo copy per configuration, with its optimizer's buffers, would not fit in a GPU's memory
     (11 copies of BERT-base). ``kept`` configurations (``auto``, which keeps what it decided) live
-    throughout either way."""
+    throughout either way. ``alias_weights`` (one at a time): a copy's parameters are new tensors
+    over the template's storage, not a copy of it, for runs whose forward pass never reads the
+    weights (compute off the cores): every update still writes them, each configuration in turn."""
 
     def __init__(self, keys: Sequence[str], args: argparse.Namespace, hvd: Any, device: Any = "cpu",
-                 one_at_a_time: bool = False, kept: Sequence[str] = ()) -> None:
+                 one_at_a_time: bool = False, kept: Sequence[str] = (), alias_weights: bool = False) -> None:
         self.args, self.hvd, self.device, self.one_at_a_time = args, hvd, device, one_at_a_time
+        self.alias_weights = alias_weights
         self.template = new_model(args, device) if one_at_a_time else None
         self.runs: Dict[str, Tuple[Any, Any]] = {key: build(key, args, hvd, device) for key in keys
                                                  if key in kept or not one_at_a_time}
@@ -121,7 +124,8 @@ class Configurations:
         if key not in self.runs:
             import copy
 
-            model = copy.deepcopy(self.template)
+            memo = ({id(p): torch_parameter(p) for p in self.template.parameters()} if self.alias_weights else {})
+            model = copy.deepcopy(self.template, memo)
             self.runs[key] = (model, wrap(key, model, self.args, self.hvd))
         return self.runs[key]
 
@@ -142,6 +146,13 @@ class Configurations:
     def model(self) -> Any:
         """A model of the run (the template, or the compute-alone copy)."""
         return self.template if self.template is not None else self.runs["compute"][0]
+
+
+def torch_parameter(p: Any) -> Any:
+    """A new parameter over ``p``'s storage (see ``Configurations``)."""
+    import torch
+
+    return torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
 
 
 def batch_of(args: argparse.Namespace, generator: Any, device: Any = "cpu") -> Any:
