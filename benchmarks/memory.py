@@ -24,7 +24,7 @@ depend on the batch). What is measured, per rank:
   the walk found them (``classify``): the pipeline's fusion buffers (one set per slot of the width),
   reduced gradients in flight or waiting to be applied, error-feedback residuals, the accurate
   mode's copies (``split_batch``: the real weights, the first half's gradient, the optimizer state's
-  save buffers), anything else of pipesgd's.
+  save buffers), a transport's buffers, anything else of pipesgd's.
 * *within a step*: peak less everything held at the end of an update: what lives only during a step
   (a codec's encoded and decoded bucket, autograd's new ``.grad`` before the pipeline's replaces
   it, Horovod's fusion buffer, which no Python object holds).
@@ -53,14 +53,15 @@ SHIM_SOURCE = Path(__file__).with_name("malloc_count.c")
 #: accurate mode (split_batch) without and with int8.
 CONFIGS = ("horovod", "w2", "w2-int8", "w2-int4", "w2-split", "w2-split-int8")
 CATEGORIES = ("weights", "gradients", "optimizer state", "pipeline buffers", "reduced in flight",
-              "error-feedback residuals", "accurate mode's copies", "other pipesgd state")
+              "error-feedback residuals", "accurate mode's copies", "transport's buffers", "other pipesgd state")
 #: Words of a walk's path that name an owner (``classify``), first match wins.
 OWNERS = (("_residuals", "error-feedback residuals"),
           ("split", "accurate mode's copies"), ("snapshot", "accurate mode's copies"),
           ("_saved", "accurate mode's copies"), ("correction", "accurate mode's copies"),
           ("prediction", "accurate mode's copies"),
           ("buffers", "pipeline buffers"),  # the engine's per slot, and a queued step's own (the same)
-          ("_queue", "reduced in flight"), ("future", "reduced in flight"), ("reductions", "reduced in flight"))
+          ("_queue", "reduced in flight"), ("future", "reduced in flight"), ("reductions", "reduced in flight"),
+          ("comm.", "transport's buffers"), ("channel", "transport's buffers"))
 #: The issue's memory targets (issue 42), in gradients above Horovod's peak per rank.
 TARGETS = {"w2-int8": 1.0, "w2-split-int8": 2.0}
 
