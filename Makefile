@@ -36,8 +36,8 @@ bench: install
 
 # ResNet-50, BERT-base and GPT-2 small at real size on the emulated cluster (issue 42; needs root): compute off the
 # cores at published GPU step times, 2 and 4 hosts, comm ~5x then ~1x compute; the "model-zoo" section of
-# docs/benchmarks.md, samples in build/model-zoo.json. About 25 min on this 2-core machine (estimated from 1-round
-# launches). Subsets: python -m benchmarks.throughput --models resnet50 --hosts 2 --aims 5 --no-doc
+# docs/benchmarks.md, samples in build/model-zoo.json. 25-40 min on this 2-core machine (estimated from 1-round
+# launches; --steps 2 takes a quarter off). Subsets: python -m benchmarks.throughput --models resnet50 --hosts 2 --no-doc
 bench-models: install
 	$(PY) -m benchmarks.throughput --models
 
