@@ -54,10 +54,10 @@ SHIM_SOURCE = Path(__file__).with_name("malloc_count.c")
 CONFIGS = ("horovod", "w2", "w2-int8", "w2-int4", "w2-split", "w2-split-int8")
 CATEGORIES = ("weights", "gradients", "optimizer state", "pipeline buffers", "reduced in flight",
               "error-feedback residuals", "accurate mode's copies", "transport's buffers", "other pipesgd state")
-#: Words of a walk's path that name an owner (``classify``), first match wins.
+#: Words of a walk's path that name an owner (``classify``): the last in the path wins.
 OWNERS = (("_residuals", "error-feedback residuals"),
           ("split", "accurate mode's copies"), ("snapshot", "accurate mode's copies"),
-          ("_saved", "accurate mode's copies"), ("correction", "accurate mode's copies"),
+          ("_saved", "accurate mode's copies"), ("correction", "accurate mode's copies"), ("acco", "accurate mode's copies"),
           ("prediction", "accurate mode's copies"),
           ("buffers", "pipeline buffers"),  # the engine's per slot, and a queued step's own (the same)
           ("_queue", "reduced in flight"), ("future", "reduced in flight"), ("reductions", "reduced in flight"),
@@ -192,9 +192,12 @@ def _ours(obj: Any) -> bool:
 
 
 def classify(path: str) -> str:
-    """The owner a walk's path names (``OWNERS``), else "other pipesgd state"."""
+    """The owner a walk's path names (``OWNERS``): the word of it nearest the tensor (a correction
+    that holds the pipeline's context reaches the transport's rows through it: those are the
+    transport's), else "other pipesgd state"."""
     low = path.lower()
-    return next((owner for word, owner in OWNERS if word in low), "other pipesgd state")
+    found = [(low.rfind(word), -i, owner) for i, (word, owner) in enumerate(OWNERS) if word in low]
+    return max(found)[2] if found else "other pipesgd state"
 
 
 def held(model: Any, opt: Any, inner: Any) -> Dict[str, int]:

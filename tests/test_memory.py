@@ -56,6 +56,9 @@ def test_owners_by_the_walks_path():
     assert memory.classify("opt._core.pipeline._queue[0].buffers[1]") == "pipeline buffers"  # a step's own slot
     assert memory.classify("opt._core.pipeline._queue[0].reductions[2].future[0]") == "reduced in flight"
     assert memory.classify("opt._core._held[0].inspector.comm._world._results[*][0]") == "transport's buffers"
+    # the word nearest the tensor names it: a correction reaching the transport through its context
+    assert memory.classify("opt._core.correction.context.comm._world._results[*][0]") == "transport's buffers"
+    assert memory.classify("opt._core.correction.snapshot._saved[*]['exp_avg']") == "accurate mode's copies"
     assert memory.classify("opt._core.something") == "other pipesgd state"
 
 
