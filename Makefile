@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test bench accuracy clean
+.PHONY: install demo test bench bench-models bench-memory accuracy clean
 
 install:
 	./scripts/install.sh
@@ -26,11 +26,25 @@ test: install
 # (--offload-compute: forward and backward passes as waits of their measured times, as an accelerator's
 # step looks from the host): the "throughput-offloaded" section. Last, 2 hosts x 2 ranks under horovodrun, links
 # shaped between the hosts only, compute off the cores: Horovod and width 2 + int8 / int4, flat against hierarchical
-# (issue 33), the "hierarchical" section. docs/benchmarks.md says how to read all three.
+# (issue 33), the "hierarchical" section. Last, the model-zoo shapes (bench-models). docs/benchmarks.md says how to
+# read all four.
 bench: install
 	$(PY) -m benchmarks.throughput
 	$(PY) -m benchmarks.throughput --offload-compute --four-hosts ''
 	$(PY) -m benchmarks.throughput --hierarchical
+	$(PY) -m benchmarks.throughput --models
+
+# ResNet-50, BERT-base and GPT-2 small at real size on the emulated cluster (issue 42; needs root): compute off the
+# cores at published GPU step times, 2 and 4 hosts, comm ~5x then ~1x compute; the "model-zoo" section of
+# docs/benchmarks.md, samples in build/model-zoo.json. 25-40 min on this 2-core machine (estimated from 1-round
+# launches; --steps 2 takes a quarter off). Subsets: python -m benchmarks.throughput --models resnet50 --hosts 2 --no-doc
+bench-models: install
+	$(PY) -m benchmarks.throughput --models
+
+# Peak memory per rank of each configuration beside Horovod's on the same models (2 ranks here, one horovodrun
+# launch per configuration, AdamW): the "memory" section of docs/benchmarks.md, samples in build/memory.json.
+bench-memory: install
+	$(PY) -m benchmarks.memory
 
 # The accuracy study (issue 30, benchmarks/accuracy/): writes docs/accuracy.md, docs/accuracy.json (the record)
 # and docs/img/accuracy.png; 4 SGD tasks, a standard and a stress language model (AdamW), the NAdamW and Muon

@@ -9,7 +9,7 @@ waits sleep: they hold neither a core nor the GIL, as a host thread blocked on i
 from __future__ import annotations
 
 import time
-from typing import Any, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -53,10 +53,16 @@ class OffloadedCompute:
             raise ValueError("no layers: an offloaded step needs at least one layer with parameters")
         generator = torch.Generator().manual_seed(seed)
         self.forward_s, self.backward_s = forward_s, backward_s
-        # the fixed gradient of each layer's parameters, by position: every model of the launch has
-        # the same shapes
-        self.grads: List[List[torch.Tensor]] = [
-            [torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in layer.parameters()] for layer in layers]
+        # the fixed gradient of each layer's parameters, by position (every model of the launch has
+        # the same shapes): views of one random pool as long as the largest tensor, per dtype, so that
+        # the emulated device holds one tensor's worth, not a second copy of a model-zoo gradient
+        params = [list(layer.parameters()) for layer in layers]
+        longest: Dict[torch.dtype, int] = {}
+        for p in (p for ps in params for p in ps):
+            longest[p.dtype] = max(longest.get(p.dtype, 0), p.numel())
+        self.pools = {dtype: torch.randn(n, generator=generator, dtype=dtype) for dtype, n in longest.items()}
+        self.grads: List[List[torch.Tensor]] = [[self.pools[p.dtype][:p.numel()].view(p.shape) for p in ps]
+                                                for ps in params]
 
     def loss(self, layers: Sequence[torch.nn.Module], share: float = 1.0) -> torch.Tensor:
         """The step's "loss": waits the forward time, then builds the chain whose backward waits

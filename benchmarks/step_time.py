@@ -2,10 +2,11 @@
 
     horovodrun -np 2 -H localhost:2 python benchmarks/step_time.py --small     # 2 ranks, this machine
     horovodrun -np 8 -H a:4,b:4 python benchmarks/step_time.py --out step_time.json
+    horovodrun -np 8 -H a:4,b:4 python benchmarks/step_time.py --model bert-base --device cuda
     python benchmarks/step_time.py --compare before.json after.json           # after / before, no ranks
 
-Every configuration (``--configs``, names: ``options``) trains its own copy of one model on one
-fixed batch, interleaved with the others in rounds (load on the machine hits all alike); every
+Every configuration (``--configs``, names: ``options``) trains its own copy of one model (``--model``:
+Linear layers, or a model-zoo shape of ``benchmarks/models.py``) on one fixed batch, interleaved with the others in rounds (load on the machine hits all alike); every
 speed-up is over Horovod's. What each column means: docs/benchmarks.md, "Step time on your cluster".
 """
 from __future__ import annotations
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
+LINEAR = "linear"  # --model's default: --layers x Linear(--dim, --dim)
+#: Per rank, per update, when --batch is not given: a batch a 40-80 GB GPU trains in float32.
+MODEL_BATCH = {LINEAR: 256, "resnet50": 64, "bert-base": 32, "gpt2": 8}
 CODECS = ("fp16", "bf16", "truncate16", "int8", "int4")
 VALID = ("horovod", "w1", "w2", *(f"w2-{c}" for c in CODECS), "w2-split", *(f"w2-split-{c}" for c in CODECS),
          "auto")
@@ -60,23 +64,122 @@ def calls_per_update(key: str) -> int:
     return 2 if "-split" in key else 1
 
 
-def build(key: str, args: argparse.Namespace, hvd: Any, device: Any = "cpu") -> Tuple[Any, Any]:
-    """A configuration's own copy of the model (``args.layers`` x Linear(dim, dim), the same initial
-    weights for all) and its optimizer: SGD alone for ``compute*``, wrapped by Horovod or pipesgd."""
+def new_model(args: argparse.Namespace, device: Any = "cpu") -> Any:
+    """The model every configuration copies (the same initial weights for all): ``args.model`` from
+    ``benchmarks/models.py``, or ``args.layers`` x Linear(dim, dim)."""
+    import torch
+
+    name = getattr(args, "model", None) or LINEAR
+    if name != LINEAR:
+        from benchmarks import models
+
+        return models.build(name).to(device)
+    torch.manual_seed(1)
+    return torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)]).to(device)
+
+
+def wrap(key: str, model: Any, args: argparse.Namespace, hvd: Any, inner: Any = None) -> Any:
+    """``key``'s optimizer on ``model``: ``inner`` (default SGD) alone for ``compute*``, wrapped by
+    Horovod or pipesgd otherwise."""
     import torch
 
     import pipesgd_hvd.torch as psgd
 
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)]).to(device)
-    inner = torch.optim.SGD(model.parameters(), lr=1e-6)
+    inner = inner if inner is not None else torch.optim.SGD(model.parameters(), lr=1e-6)
     if key == "horovod":
-        return model, hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+        return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     if key.startswith("compute"):
-        return model, inner
-    one_layer_mb = (args.dim * args.dim + args.dim) * 4 / 2**20
-    return model, psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                            auto_measure_steps=args.auto_measure_steps, **options(key, one_layer_mb))
+        return inner
+    # "-layer" rows: buckets of the largest layer's bytes (Linear layers: one layer each)
+    one_layer_mb = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+                       for m in model.modules()) / 2**20
+    return psgd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                     auto_measure_steps=args.auto_measure_steps, **options(key, one_layer_mb))
+
+
+def build(key: str, args: argparse.Namespace, hvd: Any, device: Any = "cpu") -> Tuple[Any, Any]:
+    """A configuration's own copy of the model (``new_model``) and its optimizer (``wrap``)."""
+    model = new_model(args, device)
+    return model, wrap(key, model, args, hvd)
+
+
+class Configurations:
+    """Each configuration's model copy and optimizer. ``one_at_a_time``: built when its segment
+    starts and dropped when it ends (copies of one template), so that one copy lives at a time: a
+    model-zoo copy per configuration, with its optimizer's buffers, would not fit in a GPU's memory
+    (11 copies of BERT-base). ``kept`` configurations (``auto``, which keeps what it decided) live
+    throughout either way. ``alias_weights`` (one at a time): a copy's parameters are new tensors
+    over the template's storage, not a copy of it, for runs whose forward pass never reads the
+    weights (compute off the cores): every update still writes them, each configuration in turn."""
+
+    def __init__(self, keys: Sequence[str], args: argparse.Namespace, hvd: Any, device: Any = "cpu",
+                 one_at_a_time: bool = False, kept: Sequence[str] = (), alias_weights: bool = False) -> None:
+        self.args, self.hvd, self.device, self.one_at_a_time = args, hvd, device, one_at_a_time
+        self.alias_weights = alias_weights
+        self.template = new_model(args, device) if one_at_a_time else None
+        self.runs: Dict[str, Tuple[Any, Any]] = {key: build(key, args, hvd, device) for key in keys
+                                                 if key in kept or not one_at_a_time}
+
+    def get(self, key: str) -> Tuple[Any, Any]:
+        if key not in self.runs:
+            import copy
+
+            memo = ({id(p): torch_parameter(p) for p in self.template.parameters()} if self.alias_weights else {})
+            model = copy.deepcopy(self.template, memo)
+            self.runs[key] = (model, wrap(key, model, self.args, self.hvd))
+        return self.runs[key]
+
+    @property
+    def fresh(self) -> bool:
+        """Segments start on a new copy (their buffers not yet touched)."""
+        return self.one_at_a_time
+
+    def release(self, key: str, kept: Sequence[str] = ()) -> None:
+        """Drops ``key``'s copy (one at a time; not the ``kept``): its model, optimizer and buffers,
+        Horovod's hooks on them included (collected with them)."""
+        if self.one_at_a_time and key not in kept and key in self.runs:
+            import gc
+
+            del self.runs[key]
+            gc.collect()
+
+    def model(self) -> Any:
+        """A model of the run (the template, or the compute-alone copy)."""
+        return self.template if self.template is not None else self.runs["compute"][0]
+
+
+def torch_parameter(p: Any) -> Any:
+    """A new parameter over ``p``'s storage (see ``Configurations``)."""
+    import torch
+
+    return torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+
+
+def batch_of(args: argparse.Namespace, generator: Any, device: Any = "cpu") -> Any:
+    """The fixed input batch, ``args.batch`` samples: random features for Linear layers, images or
+    token ids of ``args.size`` for a model-zoo shape."""
+    import torch
+
+    name = getattr(args, "model", None) or LINEAR
+    if name == LINEAR:
+        return torch.randn(args.batch, args.dim, generator=generator).to(device)
+    from benchmarks import models
+
+    return models.zoo(name).inputs(args.batch, generator, args.size).to(device)
+
+
+def describe_model(args: Dict[str, Any], grad_bytes: int) -> str:
+    """The model and batch of a run, in words (its ``args`` as recorded)."""
+    name = args.get("model") or LINEAR
+    if name == LINEAR:
+        return (f"{args['layers']} x Linear({args['dim']}, {args['dim']}) ({grad_bytes / 1e6:.2f} MB of float32 "
+                f"gradient), batch {args['batch']} per rank")
+    from benchmarks import models
+
+    spec = models.zoo(name)
+    unit = f"images of {args['size']}x{args['size']}" if name == "resnet50" else f"sequences of {args['size']} tokens"
+    return (f"{name} ({spec.parameters / 1e6:.1f}M parameters in {spec.tensors} tensors, {grad_bytes / 1e6:.1f} MB "
+            f"of float32 gradient), {args['batch']} {unit} per rank")
 
 
 class Bench:
@@ -92,14 +195,14 @@ class Bench:
         torch.set_num_threads(args.threads)
         self.hvd, self.torch, self.args = hvd, torch, args
         self.device = torch.device(f"cuda:{hvd.local_rank()}" if args.device == "cuda" else "cpu")
-        torch.manual_seed(hvd.rank())
-        self.x = torch.randn(args.batch, args.dim, device=self.device)
+        self.x = batch_of(args, torch.Generator().manual_seed(hvd.rank()), self.device)
         self.halves = (self.x[: args.batch // 2], self.x[args.batch // 2:])
         self.keys = args.configs
         # compute alone: the same model and inner optimizer, no communication (host time's baseline)
         self.segments = ["compute", *(["compute-split"] if any("-split" in k for k in self.keys) else []), *self.keys]
-        self.runs = {key: build(key, args, hvd, self.device) for key in self.segments}
-        self.grad_bytes = sum(p.numel() * 4 for p in self.runs["compute"][0].parameters())
+        self.runs = Configurations(self.segments, args, hvd, self.device, one_at_a_time=args.one_at_a_time,
+                                   kept=("auto",))
+        self.grad_bytes = sum(p.numel() * 4 for p in self.runs.model().parameters())
         self.samples: Dict[str, Dict[str, List[float]]] = {k: {"wall": [], "main": [], "other": []}
                                                            for k in self.segments}
         self.wire: Dict[str, List[int]] = {k: [0, 0] for k in self.keys}  # bytes sent, a float32 ring's bytes
@@ -107,11 +210,11 @@ class Bench:
 
     def update(self, key: str) -> None:
         """One update: one call on the batch, or (split_batch, and its compute-alone) two on its halves."""
-        model, opt = self.runs[key]
+        model, opt = self.runs.get(key)
         halves = self.halves if calls_per_update(key) == 2 else (self.x,)
         for i, x in enumerate(halves):
             opt.zero_grad()
-            model(x).square().mean().backward()
+            model(x).float().square().mean().backward()
             if key != "compute-split" or i == 1:  # compute alone steps its optimizer once per update
                 opt.step()
         if self.device.type == "cuda":
@@ -121,8 +224,11 @@ class Bench:
         self.hvd.allreduce(self.torch.zeros(1), name="step_time.barrier")
 
     def segment(self, key: str) -> None:
-        model, opt = self.runs[key]
-        self.update(key)  # untimed: refills the pipeline flushed at the end of the last segment
+        model, opt = self.runs.get(key)
+        # untimed: refills the pipeline flushed at the end of the last segment; on a new copy, twice
+        # (both of a width-2 pipeline's buffers are touched before the timed updates)
+        for _ in range(2 if self.runs.fresh and key != "auto" else 1):
+            self.update(key)
         stats = getattr(opt, "stats", None)
         before = (stats.bytes_sent, stats.fp32_bytes) if stats is not None else None
         record = self.samples[key]
@@ -139,12 +245,13 @@ class Bench:
         if hasattr(opt, "flush"):
             opt.flush()
         self.barrier()
+        self.runs.release(key, kept=("auto",))
 
     def decide_auto(self) -> Optional[str]:
         """Steps the auto optimizer until it has decided (untimed); returns its choice in words."""
-        if "auto" not in self.runs:
+        if "auto" not in self.segments:
             return None
-        model, opt = self.runs["auto"]
+        model, opt = self.runs.get("auto")
         while opt.auto_decision is None:
             self.update("auto")
         opt.flush()
@@ -200,8 +307,7 @@ def render(result: Dict[str, Any]) -> str:
     from benchmarks.report import table
 
     args = result["args"]
-    head = (f"{result['machine']}; {result['ranks']} ranks, {args['layers']} x Linear({args['dim']}, {args['dim']}) "
-            f"({result['grad_bytes'] / 1e6:.2f} MB of float32 gradient), batch {args['batch']} per rank, "
+    head = (f"{result['machine']}; {result['ranks']} ranks, {describe_model(args, result['grad_bytes'])}, "
             f"{args['rounds']} rounds of {args['steps']} updates per configuration")
     rows = [[r["config"], ms(r["step_s"]), f"{r['speedup']:.2f}x", ms(r["host_s"]), ms(r["main_cpu_s"]),
              ms(r["other_cpu_s"]), "-" if r["wire"] is None else f"{r['wire']:.3f}"] for r in result["rows"]]
@@ -232,10 +338,19 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT), metavar="NAME",
                         help=f"valid: {', '.join(VALID)} (default: {' '.join(DEFAULT)})")
+    parser.add_argument("--model", default=LINEAR, metavar="NAME",
+                        help=f"{LINEAR} (--layers x Linear(--dim, --dim)) or a model-zoo shape of benchmarks/models.py: "
+                             f"{', '.join(MODEL_BATCH)[len(LINEAR) + 2:]}")
     parser.add_argument("--small", action="store_true", help="8 x Linear(256, 256), batch 64: the step path shows")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256, help="per rank, per update (even)")
+    parser.add_argument("--batch", type=int, help="per rank, per update (even); default: 256 for Linear layers, "
+                        + ", ".join(f"{n} {b}" for n, b in MODEL_BATCH.items() if n != LINEAR))
+    parser.add_argument("--size", type=int, help="a model-zoo input's size: the image side (resnet50, default 224) "
+                        "or the sequence length (bert-base 128, gpt2 1024)")
+    parser.add_argument("--one-at-a-time", action=argparse.BooleanOptionalAction,
+                        help="build each configuration's model copy and optimizer for its segment only (default "
+                             "with a model-zoo --model: a copy per configuration would not fit)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="timed updates per configuration per round")
     parser.add_argument("--auto-measure-steps", type=int, default=5)
@@ -244,8 +359,25 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--out", default="step_time.json", help="rank 0 writes the rows and samples here")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print after / before; no ranks")
     args = parser.parse_args(argv)
+    if args.model not in MODEL_BATCH:
+        parser.error(f"unknown --model {args.model!r}; valid: {', '.join(MODEL_BATCH)}")
+    if args.small and args.model != LINEAR:
+        parser.error("--small sets Linear layers: leave it out with --model, or use --batch / --size")
     if args.small:
         args.dim, args.layers, args.batch = 256, 8, 64
+    if args.batch is None:
+        args.batch = MODEL_BATCH[args.model]
+    if args.one_at_a_time is None:
+        args.one_at_a_time = args.model != LINEAR
+    if args.model != LINEAR:
+        from benchmarks import models
+
+        args.size = args.size if args.size is not None else models.zoo(args.model).default_size
+        low, high = models.zoo(args.model).sizes
+        if not low <= args.size <= high:
+            parser.error(f"--size must be within {low}..{high} for {args.model}, got {args.size}")
+    elif args.size is not None:
+        parser.error("--size is a model-zoo input's size: add --model")
     try:
         args.configs = select(args.configs)
     except ValueError as e:

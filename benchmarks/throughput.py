@@ -3,6 +3,7 @@
     python -m benchmarks.throughput                       (as root; `make bench` runs all three)
     python -m benchmarks.throughput --offload-compute     (compute off the cores)
     python -m benchmarks.throughput --hierarchical        (2 hosts x 2 ranks, flat vs hierarchical)
+    python -m benchmarks.throughput --models              (ResNet-50, BERT-base, GPT-2 at real size, 2 and 4 hosts)
     python -m benchmarks.throughput --no-doc --aims 1 5 --configs w2 w2-int8   # a subset, docs/ untouched
     python -m benchmarks.throughput --settings 620mbit:1024 --rounds 1 --no-doc # a fixed RATE:BATCH
     python -m benchmarks.throughput --render build/throughput.json             # tables from a record
@@ -33,6 +34,7 @@ from .throughput_plan import (AIMS, FIRST_RATE, fit_comm, off_aim, plan_rate, ra
                               tc_rate, wire_bits)
 from .thread_cpu import wait_for_quiet
 from .throughput_worker import AUTO, HIERARCHICAL, MARKER, TRAINING
+from . import throughput_zoo as zoo
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The aims whose launches also run the split_batch rows (comm ~ compute and ~5x compute).
@@ -43,6 +45,8 @@ def section_key(args: Dict[str, Any]) -> str:
     """A run's section of docs/benchmarks.md (from its arguments), and the name of its record and plot."""
     if args.get("hierarchical"):
         return "hierarchical"
+    if args.get("models") is not None:
+        return "model-zoo"
     return "throughput-offloaded" if args.get("offload_compute") else "throughput"
 
 
@@ -52,6 +56,7 @@ class Setting:
     rate: str      # tc rate: "250mbit", "1gbit", ...
     batch: int     # per rank: sets the compute time
     target: Optional[float] = None  # the comm/compute aimed at (None: a fixed --settings rate)
+    model: Optional[str] = None     # a model-zoo shape (benchmarks/models.py); None: Linear layers
 
     @classmethod
     def parse(cls, hosts: int, spec: str) -> "Setting":
@@ -63,8 +68,10 @@ class Setting:
 
 
 def launch_configs(configs: Sequence[str], setting: Setting) -> List[str]:
-    """A launch's configurations: split_batch rows only at ``SPLIT_AIMS`` and at fixed rates."""
-    split = setting.hosts == 2 and (setting.target is None or setting.target in SPLIT_AIMS)
+    """A launch's configurations: split_batch rows only at ``SPLIT_AIMS`` and at fixed rates (and in
+    every model-zoo launch)."""
+    split = setting.model is not None or (
+        setting.hosts == 2 and (setting.target is None or setting.target in SPLIT_AIMS))
     return [k for k in configs if split or not k.startswith("w2-split-")]
 
 
@@ -129,18 +136,21 @@ def run_launch(setting: Setting, args: argparse.Namespace, configs: Sequence[str
     from tools.cluster.netns import Cluster, leftover_namespaces
 
     what = f"{setting.hosts} hosts{' x 2 ranks' if args.hierarchical else ''}, {setting.rate}, batch {setting.batch}"
+    if setting.model is not None:
+        what = f"{setting.model}, {setting.hosts} hosts, {setting.rate}"
     # compute off the cores waits args.device_times (the calibration's, or --device-times) for args.batch;
     # a launch of another batch (the 4-host one) times its own passes
     fixed = args.offload_compute and args.device_times is not None and setting.batch == args.batch
     worker = {**{k: getattr(args, k) for k in ("rounds", "steps", "comm_reps", "dim", "layers", "offload_compute")},
               "batch": setting.batch, "auto_measure_steps": 5, "configs": list(configs), "quick": quick,
-              "device_times": args.device_times if fixed else None}
+              "device_times": args.device_times if fixed else None,
+              **(zoo.worker_settings(setting.model) if setting.model is not None else {})}
     with tempfile.TemporaryDirectory(prefix="pipesgd-bench-") as tmp:
         settings, progress = Path(tmp) / "settings.json", Path(tmp) / "progress.log"
         settings.write_text(json.dumps({**worker, "progress": str(progress)}))
         cmd = [sys.executable, "-m", "benchmarks.throughput_worker", str(settings)]
         env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT),
-               **horovod_cycle_env(args.horovod_cycle_ms)}
+               **horovod_cycle_env(args.horovod_cycle_ms), **(zoo.KEEP_FREED if setting.model is not None else {})}
         waited, busy = wait_for_quiet(args.max_quiet_wait)
         log(f"[launch] {what} (waited {waited:.0f} s for other jobs; {busy:.1f} cores busy)")
         start = time.perf_counter()
@@ -192,6 +202,38 @@ def calibrate(args: argparse.Namespace, launch: Callable[..., Launch] = run_laun
     return out
 
 
+def measure_zoo(args: argparse.Namespace, launch: Callable[..., Launch] = run_launch,
+                available: Callable[[], Optional[int]] = zoo.memory_available) -> Dict[str, Any]:
+    """The model-zoo kind: per model, per host count, one launch per aim, the largest first; each
+    rate planned from the model's device step, the host's update (timed here) and the fixed cost the
+    model's previous launch on as many hosts measured (``throughput_zoo``)."""
+    from . import models
+    from .report import machine_line
+
+    load_before, start = os.getloadavg(), time.perf_counter()
+    plans, settings, launches = [], [], []
+    for name in args.models:
+        grad_bytes, update = zoo.host_update_seconds(name)
+        plan = zoo.Plan(name, grad_bytes, models.zoo(name).device_step.seconds, update)
+        plans.append(plan)
+        log(f"[plan] {zoo.describe(plan)}")
+        for hosts in args.hosts:
+            fixed = zoo.FIXED_GUESS
+            for aim in zoo.order(args.aims):
+                zoo.check_memory(name, grad_bytes, hosts, available())
+                setting = Setting(hosts, zoo.rate_for(plan, hosts, aim, fixed), 0, aim, name)
+                la = launch(setting, args, launch_configs(args.configs, setting))
+                settings.append(setting)
+                launches.append(la)
+                fixed = zoo.measured_fixed(hosts, la.grad_bytes, setting.rate, la.comm("none"))
+                ratio = la.comm("none") / la.compute
+                log(f"  comm/compute {ratio:.2f}: {off_aim(ratio, aim) or f'within 20% of its aim {aim:g}'}")
+    return {"machine": machine_line(), "args": vars(args), "elapsed_s": time.perf_counter() - start,
+            "plans": [dataclasses.asdict(p) for p in plans], "load_before": load_before,
+            "load_after": os.getloadavg(), "settings": [dataclasses.asdict(s) for s in settings],
+            "launches": [dataclasses.asdict(la) for la in launches]}
+
+
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """Runs every launch; returns the record that ``throughput_report.render`` turns into tables."""
     from .report import machine_line
@@ -218,10 +260,17 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             "settings": [dataclasses.asdict(s) for s in settings], "launches": [dataclasses.asdict(la) for la in launches]}
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line, each kind's defaults applied and checked (``main``)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--hierarchical", action="store_true", help="2 hosts x 2 ranks, flat and hierarchical "
                         "(defaults: --aims 1 5 --layers 2 --steps 10 --device-times 0.03,0.07)")
+    parser.add_argument("--models", nargs="*", metavar="NAME",
+                        help="the model-zoo kind: these models (none named: resnet50 bert-base gpt2) at real size, compute "
+                             "off the cores at a published GPU step time, on --hosts (defaults: --aims 1 5 --rounds 2 "
+                             f"--steps 3 --configs {' '.join(zoo.CONFIGS)})")
+    parser.add_argument("--hosts", nargs="+", type=int, default=list(zoo.HOSTS), metavar="N",
+                        help="the model-zoo kind's host counts (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed updates per configuration per round")
     parser.add_argument("--comm-reps", type=int, default=1, help="collective timings per round")
@@ -248,6 +297,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-doc", action="store_true", help="print the tables; leave docs/ alone")
     parser.add_argument("--render", metavar="JSON", help="no launches: the tables from a saved record")
     args = parser.parse_args(argv)
+    if args.models is not None and args.hierarchical:
+        parser.error("--models plans its own launches, one rank per host: drop --hierarchical")
     hier = ["horovod", *HIERARCHICAL]
     if args.hierarchical:  # the kind's own defaults; flags given still win
         parser.set_defaults(aims=[1.0, 5.0], layers=2, steps=10, device_times=[0.03, 0.07], offload_compute=True,
@@ -255,6 +306,23 @@ def main(argv: Optional[List[str]] = None) -> None:
         args = parser.parse_args(argv)
         if args.configs != hier or args.controller != "gloo":
             parser.error("--hierarchical runs its own configurations under horovodrun --gloo: drop --configs / --controller")
+    elif args.models is not None:  # the model-zoo kind's own defaults; flags given still win
+        parser.set_defaults(aims=list(zoo.AIMS), rounds=2, steps=3, configs=list(zoo.CONFIGS), offload_compute=True,
+                            four_hosts="")
+        args = parser.parse_args(argv)
+        if args.hierarchical or args.settings or args.device_times is not None or args.controller != "gloo":
+            parser.error("--models plans its own launches under the Gloo controller, compute off the cores at each "
+                         "model's device step: drop --hierarchical / --settings / --device-times / --controller")
+        if not args.offload_compute:
+            parser.error("--models runs with compute off the cores")
+        try:
+            from . import models
+
+            args.models = models.sequence(args.models) if args.models else list(models.names())
+        except ValueError as e:
+            parser.error(str(e))
+        if not args.hosts or any(h < 2 for h in args.hosts):
+            parser.error(f"--hosts must be >= 2 each, got {args.hosts}")
     elif args.device_times is not None and not args.offload_compute:
         parser.error("--device-times sets the waits of compute off the cores: add --offload-compute")
     try:
@@ -270,23 +338,28 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(str(e))
     if not all(aim > 0 for aim in args.aims):
         parser.error(f"--aims must be > 0, got {args.aims}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse(argv)
     from .report import write_section
-    from .throughput_report import render, render_hierarchical
+    from .throughput_report import render, render_hierarchical, render_zoo
 
     if args.render:
         record = json.loads(Path(args.render).read_text())
     else:
         if os.geteuid() != 0:
             sys.exit("benchmarks.throughput creates network namespaces: run it as root")
-        record = measure(args)
+        record = measure_zoo(args) if args.models is not None else measure(args)
         # a --no-doc trial's record apart: it never replaces the doc's
         saved = ROOT / "build" / f"{section_key(vars(args))}{'-nodoc' if args.no_doc else ''}.json"
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(record))
         print(f"samples kept in {saved}")
     key = section_key(record["args"])
-    text = (render_hierarchical if key == "hierarchical" else render)(record, None if args.no_doc else
-                                                                       ROOT / "docs" / "img" / f"{key}.png")
+    renderer = {"hierarchical": render_hierarchical, "model-zoo": render_zoo}.get(key, render)
+    text = renderer(record, None if args.no_doc else ROOT / "docs" / "img" / f"{key}.png")
     if not args.no_doc:
         write_section(key, text)
     print(text)

@@ -158,3 +158,48 @@ def render_hierarchical(record: Dict[str, Any], image: Optional[Path] = None) ->
         table(["link (Horovod comm / compute)", "configuration", "step ms", "model step ms", "reduction alone ms",
                "model reduction ms", "cross-host MB / step (links)", "cross-host MB / reduction (counted)",
                "vs Horovod"], body), "", *targets_table(found)]) + "\n"
+
+
+def render_zoo(record: Dict[str, Any], image: Optional[Path] = None) -> str:
+    """The model-zoo kind's section from a record (no plot: ``image`` is not drawn): per model, a
+    table of its launches' rows; then the targets."""
+    from . import models
+    from .throughput_analysis import zoo_targets
+
+    args, settings = record["args"], record["settings"]
+    launches = [Launch(**la) for la in record["launches"]]
+    fitted = [fit_model(la) for la in launches]
+    plans = {p["model"]: p for p in record["plans"]}
+    cycle = f"HOROVOD_CYCLE_TIME={args['horovod_cycle_ms']:g}" if args.get("horovod_cycle_ms") else "Horovod's default cycle"
+    lines = ["## Model-zoo shapes on the emulated cluster (`benchmarks/throughput.py --models`, `make bench-models`)", "",
+             f"{record['machine']}; {record['elapsed_s'] / 60:.1f} min for {len(launches)} launches; load average before "
+             f"{record['load_before'][0]:.2f}, after {record['load_after'][0]:.2f}; gloo controller; {cycle}; compute off "
+             f"the cores; {args['rounds']} rounds of {args['steps']} timed steps per configuration. Samples: "
+             "`build/model-zoo.json` (`python -m benchmarks.throughput --render build/model-zoo.json`)."]
+    for name in args["models"]:
+        spec, plan = models.zoo(name), plans.get(name)
+        rows = []
+        for setting, la, model in zip(settings, launches, fitted):
+            if la.raw.get("model") != name:
+                continue
+            ratio = la.comm("none") / la.compute
+            launch = (f"{la.hosts} hosts, {la.rate}: {ratio:.2f}x (aim {setting['target']:g}); compute {ms(la.compute)} "
+                      f"({ms(la.median('forward'))} / {ms(la.median('backward'))} / {ms(la.median('update'))})")
+            for key in ("compute", *la.configs):
+                if key == "compute":
+                    continue
+                t = la.median(key)
+                rows.append([launch, LABELS[key], ms(t), f"{speedup(la, key):.2f}x", ms(la.bound(key)),
+                             f"{t / la.bound(key):.2f}", ms(model.step[key]), f"{t / model.step[key]:.2f}",
+                             ms(la.comm(codec_of(key)))])
+                launch = ""
+        update = f"; the host's update {ms(plan['update_s'])} ms (timed before the launches)" if plan else ""
+        lines += ["", f"### {name}: {spec.parameters / 1e6:.1f}M parameters in {spec.tensors} tensors, "
+                      f"{4 * spec.parameters / 1e6:.0f} MB of float32 gradient", "",
+                  f"Device step {ms(spec.device_step.seconds)} ms for {spec.device_step.batch} ({spec.device_step.source}), "
+                  f"waited as forward / backward 1 : 2{update}.", "",
+                  table(["launch: link, comm/compute measured (aim); compute ms (fwd / bwd / update)", "configuration",
+                         "step ms", "speed-up vs Horovod", "bound ms", "step / bound", "model ms", "step / model",
+                         "its all-reduce alone ms"], rows)]
+    lines += ["", *targets_table(zoo_targets(settings, launches, fitted))]
+    return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 
 from pipesgd_hvd.pipeline.fusion import DEFAULT_FUSION_THRESHOLD, TensorSpec, plan_buckets
 
-from .step_time import CODECS, build, calls_per_update
+from .step_time import CODECS, Configurations, calls_per_update
 from .thread_cpu import ThreadClock, ThreadGroupClock, machine_busy, native_thread_ids
 
 if TYPE_CHECKING:
@@ -67,10 +67,66 @@ def fusion_buckets(layers: int, dim: int, threshold: int) -> List[int]:
     return [sum(specs[member.index].numel for member in bucket.members) for bucket in layout.buckets]
 
 
-def segments_for(configs: Sequence[str], quick: bool = False) -> Tuple[str, ...]:
+def model_buckets(model: Any, threshold: int) -> List[int]:
+    """Values per bucket, in launch order, of pipesgd's fusion plan for ``model``'s parameters in
+    order, whose gradients are ready last first (``fusion_buckets`` for any model)."""
+    specs = [TensorSpec(name, tuple(p.shape), "float32") for name, p in model.named_parameters()]
+    layout = plan_buckets(specs, list(range(len(specs)))[::-1], threshold)
+    return [sum(specs[member.index].numel for member in bucket.members) for bucket in layout.buckets]
+
+
+def horovod_buckets(layer_numels: Sequence[Sequence[int]], backward_s: float, cycle_s: float,
+                    threshold_bytes: int) -> List[int]:
+    """Values per fused all-reduce, in launch order, that Horovod's optimizer runs over a backward pass
+    of ``backward_s`` in which each layer's gradients (``layer_numels``, forward order) arrive after
+    its equal slice, last layer first (``offloaded_compute.py``): its background loop wakes every
+    ``cycle_s`` and fuses the float32 tensors that arrived since, up to ``threshold_bytes`` each."""
+    if not layer_numels:
+        raise ValueError("horovod_buckets needs at least one layer")
+    slice_s, groups = backward_s / len(layer_numels), {}
+    for i, numels in enumerate(reversed(layer_numels)):
+        # ready at the end of its slice; taken at the next wake (the loop's cycles start with backward)
+        wake = int((i + 1) * slice_s / cycle_s) if cycle_s > 0 else i
+        groups.setdefault(wake, []).extend(numels)
+    out: List[int] = []
+    for wake in sorted(groups):
+        fused = 0
+        for n in groups[wake]:
+            if fused and (fused + n) * 4 > threshold_bytes:
+                out.append(fused)
+                fused = 0
+            fused += n
+        out.append(fused)
+    return out
+
+
+def layers(model: Any) -> List[Any]:
+    """The modules that own ``model``'s parameters, in order (``models.layers``; for Linear layers,
+    the layers): what the offloaded backward hands gradients to."""
+    from .models import layers as owned
+
+    return owned(model)
+
+
+def lean_buffers(torch: Any, buckets: Sequence[int], codecs: Sequence[Any], size: int) -> Tuple[Any, List[Any]]:
+    """One random float32 storage holding every bucket, each with the room the largest padding of
+    ``codecs`` needs over ``size`` ranks, zero past its values; returns it and the buckets' views."""
+    from pipesgd_hvd.compression.allreduce import padded_numel
+
+    rooms = [max([numel, *(padded_numel(c, numel, size) for c in codecs)]) for numel in buckets]
+    flat = torch.zeros(sum(rooms))
+    views, at = [], 0
+    for numel, room in zip(buckets, rooms):
+        views.append(flat[at:at + room])
+        views[-1][:numel].normal_()
+        at += room
+    return flat, views
+
+
+def segments_for(configs: Sequence[str], quick: bool = False, loops: bool = True) -> Tuple[str, ...]:
     """A launch's segments: compute alone, ``configs``, and each plain width-2 row's engine-free loop
-    unless ``quick`` (the calibration: compute and the float32 all-reduce)."""
-    loops = () if quick else tuple(f"loop-{k[3:] or 'none'}" for k in configs
+    unless ``quick`` (the calibration: compute and the float32 all-reduce) or not ``loops``."""
+    loops = () if quick or not loops else tuple(f"loop-{k[3:] or 'none'}" for k in configs
                                    if k.startswith("w2") and not k.startswith("w2-split"))
     return tuple(k for k in SEGMENTS if k == "compute" or k in configs or k in loops)
 
@@ -96,16 +152,24 @@ class RankBench:
         torch.set_num_threads(1)
         torch.manual_seed(hvd.rank())
         self.args, self.hvd, self.torch = args, hvd, torch
-        self.x = torch.randn(args.batch, args.dim)
-        self.segments = segments_for(args.configs, args.quick)
+        # a model-zoo shape (benchmarks/models.py): compute off the cores only, no engine-free loops,
+        # one configuration's copy at a time, lean buffers for the collectives alone (4 ranks of
+        # GPT-2 on one machine: every extra copy of the gradient is 2 GB)
+        self.zoo = getattr(args, "model", None) is not None
+        if self.zoo and not args.offload_compute:
+            raise ValueError("a model-zoo launch runs with compute off the cores (offload_compute)")
+        self.x = None if self.zoo else torch.randn(args.batch, args.dim)
+        self.segments = segments_for(args.configs, args.quick, loops=not self.zoo)
         self.configs = tuple(k for k in (*TRAINING, *HIERARCHICAL) if k in self.segments)
         # the compressed all-reduces timed alone: those this launch's width-2 rows run
         self.reductions = tuple(dict.fromkeys(reduction_of(k) for k in self.configs if k.startswith("w2-")))
-        self.runs = {key: build(key, args, hvd) for key in self.segments if not key.startswith("loop-")}
-        self.numel = sum(p.numel() for p in self.runs["compute"][0].parameters())
-        self.flat = torch.randn(self.numel)
+        self.runs = Configurations([k for k in self.segments if not k.startswith("loop-")], args, hvd,
+                                   one_at_a_time=self.zoo, kept=(AUTO,), alias_weights=self.zoo)
+        self.wire: Dict[str, float] = {}  # wire / fp32 per configuration, read as each segment ends
+        model = self.runs.model()
+        self.numel = sum(p.numel() for p in model.parameters())
         # a width-2 optimizer reduces these buckets one after another on its comm thread: so do we
-        self.buckets = fusion_buckets(args.layers, args.dim, DEFAULT_FUSION_THRESHOLD)
+        self.buckets = model_buckets(model, DEFAULT_FUSION_THRESHOLD)
         # Horovod's float32 all-reduce is what its own optimizer runs; the compressed all-reduces and
         # the engine-free loops run on a pipeline channel, the transport the training rows use.
         self.comm = HorovodTorchCommunicator()
@@ -116,9 +180,15 @@ class RankBench:
         self.codecs = {c: resolve_compression(c) for c in CODECS}
         # the buckets as the engine holds them: each in a buffer with room for its codec's padded rows,
         # zero past the bucket (the reductions only read them)
-        self.buffers = {c: [torch.nn.functional.pad(part, (0, padded_numel(self.codecs[c], len(part), hvd.size())
-                                                           - len(part))) for part in self.flat.split(self.buckets)]
-                        for c in dict.fromkeys(r.rsplit("-", 1)[-1] for r in self.reductions)}
+        codecs = tuple(dict.fromkeys(r.rsplit("-", 1)[-1] for r in self.reductions))
+        if self.zoo:  # one storage: every codec's buckets are views of it, the float32 all-reduces run on it
+            self.flat, self.buffers = lean_buffers(torch, self.buckets, [self.codecs[c] for c in codecs], hvd.size())
+            self.buffers = {c: self.buffers for c in codecs}
+        else:
+            self.flat = torch.randn(self.numel)
+            self.buffers = {c: [torch.nn.functional.pad(part, (0, padded_numel(self.codecs[c], len(part), hvd.size())
+                                                               - len(part))) for part in self.flat.split(self.buckets)]
+                            for c in codecs}
         self.clock = ThreadClock()
         self.samples: Dict[str, List[float]] = {}
         self._calls = 0
@@ -185,10 +255,11 @@ class RankBench:
         slowest rank's); recorded as ``device-forward`` and ``device-backward``."""
         from .offloaded_compute import OffloadedCompute
 
-        model, opt = self.runs["compute"]
+        model = self.runs.model()
         if self.args.device_times is not None:
             times = self.args.device_times
         else:
+            model, opt = self.runs.get("compute")
             for i in range(6):
                 self.step(model, opt, split=i > 0)
             measured = [statistics.median(self.samples.pop(k)) for k in ("forward", "backward")]
@@ -197,16 +268,16 @@ class RankBench:
                                                           op=self.hvd.Max, name=self.horovod_name("offload"))).tolist()
         self.record("device-forward", times[0])
         self.record("device-backward", times[1])
-        return OffloadedCompute(list(model), forward_s=times[0], backward_s=times[1])
+        return OffloadedCompute(layers(model), forward_s=times[0], backward_s=times[1])
 
     def step(self, model: Any, opt: Any, split: bool = False, calls: int = 1) -> None:
         """One update, in ``calls`` calls on as many parts of the batch (split_batch: 2); ``split``
         records a one-call update's forward, backward and update times."""
-        for x in self.x.chunk(calls):
+        for x in (self.x.chunk(calls) if self.offloaded is None else [None] * calls):
             opt.zero_grad()
             t0 = time.perf_counter()
             if self.offloaded is not None:
-                loss = self.offloaded.loss(list(model), share=1 / calls)
+                loss = self.offloaded.loss(layers(model), share=1 / calls)
             else:
                 loss = model(x).square().mean()
             t1 = time.perf_counter()
@@ -225,22 +296,29 @@ class RankBench:
         """``steps`` timed steps of one configuration."""
         if key.startswith("loop-"):
             return self.loop(key, key[len("loop-"):])
-        model, opt = self.runs[key]
+        model, opt = self.runs.get(key)
         calls, sent = calls_per_update(key), eth0_tx()
-        self.step(model, opt, calls=calls)  # untimed: refills the pipeline flushed at the last segment's end
+        # untimed: refills the pipeline flushed at the last segment's end (a model-zoo copy is new, its
+        # buffers come from memory the last segment's copy freed: its ranks keep freed memory mapped)
+        warm = 1
+        self.step(model, opt, calls=calls)
         with self.billed(key):
             for _ in range(self.args.steps):
                 self.record(key, timed(lambda: self.step(model, opt, split=key == "compute", calls=calls)))
         if hasattr(opt, "flush"):
             opt.flush()  # nothing of this configuration stays on the wire during the next one
+        if hasattr(opt, "stats"):
+            self.wire[key] = opt.stats.ratio
         self.barrier()
-        if self.hvd.local_rank() == 0:  # all ranks of the host, over steps + 1 reductions
-            self.record(f"host-bytes/{key}", (eth0_tx() - sent) / (self.args.steps + 1))
+        if self.hvd.local_rank() == 0:  # all ranks of the host, over the segment's reductions
+            self.record(f"host-bytes/{key}", (eth0_tx() - sent) / (self.args.steps + warm))
+        del model, opt
+        self.runs.release(key, kept=(AUTO,))
 
     def loop(self, key: str, codec: str) -> None:
         """The pipelined schedule without the engine: step t computes while step t-1's all-reduce
         runs, started as the engine starts it (Horovod's thread; a comm thread for byte codecs)."""
-        model, opt = self.runs["compute"]
+        model, opt = self.runs.get("compute")
         slots = [self.flat.clone(), self.flat.clone()]  # the engine's two buffers: step t's, t-1's
         self.step(model, opt)
         pending = self.start(codec, slots[0])  # untimed: fills the pipeline
@@ -301,8 +379,12 @@ class RankBench:
         def compressed(reduction: str) -> Callable[[], Any]:
             return lambda: self.compressed(reduction, self.uid(reduction))
 
-        return {"comm-none": float32(self.flat.clone(), "ar"),
-                "comm-none-quarter": float32(self.flat[: self.numel // 4].clone(), "arq"),
+        # lean (a model-zoo launch): in place on the buckets' own storage (averaging keeps the zeros past
+        # each bucket zero), the quarter on a view of it
+        whole, quarter = ((self.flat, self.flat[: self.numel // 4]) if self.zoo
+                          else (self.flat.clone(), self.flat[: self.numel // 4].clone()))
+        return {"comm-none": float32(whole, "ar"),
+                "comm-none-quarter": float32(quarter, "arq"),
                 "ar-small": float32(self.torch.zeros(256), "ars"),
                 # nothing: what the rank's threads burn with nothing to do (Horovod's background
                 # loop wakes every cycle); the model leaves it out of a collective's CPU
@@ -349,11 +431,25 @@ class RankBench:
             self.barrier()
             self.record(key, timed(fn))
 
+    def width1_shares(self) -> Optional[Dict[str, List[float]]]:
+        """A model-zoo launch's width-1 buckets as shares of the gradient, in launch order, for the
+        timing model's overlap (``throughput_analysis.bucket_overlap``): Horovod's fused all-reduces
+        over the offloaded backward at its cycle time and fusion threshold, pipesgd's own plan."""
+        import os
+
+        if not self.zoo or self.offloaded is None:
+            return None
+        cycle = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1e3  # ms, Horovod's default 1 ms
+        threshold = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(64 * 1024 * 1024)))
+        numels = [[g.numel() for g in grads] for grads in self.offloaded.grads]
+        shares = {"horovod": horovod_buckets(numels, self.offloaded.backward_s, cycle, threshold), "w1": self.buckets}
+        return {k: [n / self.numel for n in v] for k, v in shares.items()}
+
     def decide_auto(self) -> Dict[str, Any]:
         """Runs the auto optimizer until it has decided (untimed); returns what it measured and chose."""
         import dataclasses
 
-        model, opt = self.runs[AUTO]
+        model, opt = self.runs.get(AUTO)
         start = time.perf_counter()
         while opt.auto_decision is None:
             self.step(model, opt)
@@ -400,9 +496,10 @@ class RankBench:
                 "machine_total_s": busy1[1] - busy0[1]}
         everyone = hvd.allgather_object(mine, name="bench.result")
         if hvd.rank() == 0:
-            wire = {key: opt.stats.ratio for key, (_, opt) in self.runs.items() if key not in ("compute", "horovod")}
+            wire = dict(self.wire)
             result = {"ranks": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size(),
                       "grad_bytes": self.numel * 4, "layers": args.layers, "buckets": self.buckets,
+                      "model": getattr(args, "model", None), "width1_shares": self.width1_shares(),
                       "configs": self.configs, "per_rank": everyone, "wire_ratio": wire,
                       "auto": auto, "offloaded": self.offloaded is not None}
             print(MARKER + json.dumps(result), flush=True)

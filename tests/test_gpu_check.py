@@ -18,7 +18,7 @@ def test_gpu_check_passes_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert not [line for line in lines if line.startswith("FAIL")]
-    for section in "bcdeg":  # every section ran checks ((a) reports figures, (f) is CUDA only)
+    for section in "bcdegh":  # every section ran checks ((a) reports figures, (f) is CUDA only)
         assert any(line.startswith(f"PASS {section}.") for line in lines), section
     assert "SKIP f.horovod-nccl" in proc.stdout
     text = out.read_text()
@@ -27,7 +27,7 @@ def test_gpu_check_passes_on_the_cpu(tmp_path):
 
 def test_a_failing_check_makes_the_script_exit_non_zero(monkeypatch):
     gpu_check = pytest.importorskip("tools.gpu_check")
-    for name in ("section_b", "section_c", "section_d", "section_e", "section_f", "section_g"):
+    for name in ("section_b", "section_c", "section_d", "section_e", "section_f", "section_g", "section_h"):
         monkeypatch.setattr(gpu_check, name, lambda report, *a, **k: None)
     monkeypatch.setattr(gpu_check, "section_a", lambda report, *a, **k: report.check(False, "a.forced") and 1.0)
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--device", "cpu"])

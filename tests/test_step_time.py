@@ -75,3 +75,31 @@ def test_unknown_configurations_and_odd_batches_are_refused(capsys):
         with pytest.raises(SystemExit):
             step_time.parse(argv)
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_a_model_zoo_run_builds_one_configuration_at_a_time(tmp_path):
+    out = tmp_path / "step_time.json"
+    proc = subprocess.run([sys.executable, "benchmarks/step_time.py", "--model", "resnet50", "--batch", "2", "--size",
+                           "64", "--configs", "w2-int8", "--rounds", "2", "--steps", "1", "--out", str(out)],
+                          cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resnet50 (25.6M parameters in 161 tensors, 102.2 MB of float32 gradient), 2 images of 64x64" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["args"]["one_at_a_time"] and [r["config"] for r in result["rows"]] == ["horovod", "w2-int8"]
+    assert all(len(s["wall"]) == 2 for s in result["per_rank"][0]["samples"].values())
+
+
+def test_model_zoo_arguments(capsys):
+    args = step_time.parse(["--model", "gpt2"])
+    assert (args.batch, args.size, args.one_at_a_time) == (8, 1024, True)
+    args = step_time.parse(["--model", "bert-base", "--batch", "4", "--size", "64", "--no-one-at-a-time"])
+    assert (args.batch, args.size, args.one_at_a_time) == (4, 64, False)
+    assert (step_time.parse([]).batch, step_time.parse([]).one_at_a_time) == (256, False)
+    for argv, message in ((["--model", "resnet18"], "unknown --model 'resnet18'; valid: linear, resnet50, bert-base"),
+                          (["--model", "gpt2", "--size", "2048"], "--size must be within 1..1024 for gpt2"),
+                          (["--size", "64"], "--size is a model-zoo input's size: add --model"),
+                          (["--small", "--model", "gpt2"], "--small sets Linear layers")):
+        with pytest.raises(SystemExit):
+            step_time.parse(argv)
+        assert message in capsys.readouterr().err

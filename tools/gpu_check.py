@@ -24,6 +24,9 @@ Sections (each check prints PASS/FAIL/SKIP; the exit status is 1 if any check fa
     codec, the loss falls, replicas bitwise equal; the auto mode decides.
 (f) Horovod with NCCL, if it is importable and built with NCCL (else a printed skip).
 (g) the pipeline's own device path in a world of one: tools/gpu_check_channel.py.
+(h) peak memory per rank on the model-zoo shapes (two ranks through Gloo sharing the GPU):
+    ``torch.cuda.max_memory_allocated`` per configuration, broken down by owner
+    (``benchmarks/memory.py``), against the wrapped optimizer alone (tools/gpu_check_ranks.py).
 """
 from __future__ import annotations
 
@@ -451,7 +454,7 @@ def ranks(args: List[str], world: int, timeout: float = 300, env: Optional[Dict[
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))) for r in range(world)]
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    lines = [line for out in outs for line in out.splitlines() if line.split(" ")[0] in ("PASS", "FAIL")]
+    lines = [line for out in outs for line in out.splitlines() if line.split(" ")[0] in ("PASS", "FAIL", "INFO")]
     if any(p.returncode != 0 for p in procs):
         lines.append("FAIL rank-processes " + " | ".join(o.strip().splitlines()[-1] if o.strip() else "" for o in outs))
     return lines
@@ -465,6 +468,11 @@ def add_lines(report: Report, lines: List[str]) -> None:
 
 def section_e(report: Report, device: torch.device) -> None:
     add_lines(report, ranks(["--section", "e", "--device", device.type, "--port", str(free_port())], world=2))
+
+
+def section_h(report: Report, device: torch.device) -> None:
+    add_lines(report, ranks(["--section", "h", "--device", device.type, "--port", str(free_port())], world=2,
+                            timeout=900))
 
 
 def section_f(report: Report, device: torch.device) -> None:
@@ -518,7 +526,8 @@ def main() -> int:
                       ("d", lambda: section_d(report, device)),
                       ("e", lambda: section_e(report, device)),
                       ("f", lambda: section_f(report, device)),
-                      ("g", lambda: section_g(report, device, copy_gbs, timed))):
+                      ("g", lambda: section_g(report, device, copy_gbs, timed)),
+                      ("h", lambda: section_h(report, device))):
         try:
             run()
         except Exception:  # noqa: BLE001 - reported, and the exit status says FAILED

@@ -1,4 +1,4 @@
-"""Rank processes of tools/gpu_check.py, sections (e) and (f). Not run by hand.
+"""Rank processes of tools/gpu_check.py, sections (e), (f) and (h). Not run by hand.
 
 (e) ``--section e --rank R --world 2 --port P``: two ranks through torch.distributed Gloo (on CUDA
     both use cuda:0: NCCL refuses two ranks on one device, Gloo moves CUDA tensors through the
@@ -8,7 +8,16 @@
     codec, with and without HOROVOD_ENABLE_ASYNC_COMPLETION (the parent runs it twice): the
     result must equal the plain SGD rule of a world of one, bit for bit.
 
-Each check prints one ``PASS name detail`` or ``FAIL name detail`` line (rank 0 only for (e)).
+(h) ``--section h --rank R --world 2 --port P``: two ranks through torch.distributed Gloo as (e);
+    per model-zoo shape and configuration (``benchmarks/memory.py``'s, with the wrapped optimizer
+    alone in place of Horovod's), AdamW, six updates with compute off the device's time (gradients
+    handed in, no activations): the peak of ``torch.cuda.max_memory_allocated`` over the run less what
+    was allocated before, and what is held at the end by owner. Checked: the owners add up to at most
+    the peak, the weights are the model's bytes, width 2 holds two slots of fusion buffers and
+    error feedback its residuals. Reported (INFO): the peak above the optimizer alone, in gradients.
+    On the CPU (the test suite) resnet50 only and no peak (the host's is benchmarks/memory.py's).
+
+Each check prints one ``PASS name detail`` or ``FAIL name detail`` line (rank 0 only for (e), (h)).
 """
 from __future__ import annotations
 
@@ -143,9 +152,62 @@ class _Plain:
         pass
 
 
+class _HeldOnly:
+    """No peak on the CPU here (``benchmarks/memory.py`` preloads a heap counter for that): zeros."""
+
+    def live(self) -> int:
+        return 0
+
+    def peak(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+
+def section_h(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from benchmarks import memory
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world, timeout=datetime.timedelta(seconds=300))
+    cuda = args.device == "cuda"
+    device = "cuda:0" if cuda else "cpu"
+    counter = memory.CudaCounter(device) if cuda else _HeldOnly()
+    names = ("resnet50", "bert-base", "gpt2") if cuda else ("resnet50",)
+    configs = ("alone", "w2", "w2-int8", "w2-int4", "w2-split", "w2-split-int8") if cuda else ("alone", "w2-int8")
+    lead = args.rank == 0
+    for name in names:
+        results = {}
+        for key in configs:
+            r = memory.measure_config(key, name, "adamw", 6, counter, None, device)
+            everyone = [None] * args.world
+            dist.all_gather_object(everyone, r)
+            results[key] = r = max(everyone, key=lambda x: x["peak"])
+            grad, held = r["grad_bytes"], r["held"]
+            parts = ", ".join(f"{c} {held[c] / 1e6:.0f}" for c in memory.CATEGORIES if held[c])
+            ok = held["weights"] == grad and held["gradients"] >= grad
+            if cuda:
+                ok = ok and sum(held.values()) <= r["peak"]
+            if key.startswith("w2"):
+                ok = ok and held["pipeline buffers"] >= 2 * grad
+            if key.endswith(("int8", "int4")):
+                ok = ok and held["error-feedback residuals"] >= grad
+            if lead:
+                peak = f"peak {r['peak'] / 1e6:.0f} MB per rank; " if cuda else ""
+                report(ok, f"h.memory.{name}.{key}", f"{peak}held MB: {parts}")
+        if lead and cuda:
+            for key in configs[1:]:
+                above = (results[key]["peak"] - results["alone"]["peak"]) / results[key]["grad_bytes"]
+                print(f"INFO h.memory.{name}.{key}.above-alone {above:+.2f} x the gradient "
+                      f"({results[key]['grad_bytes'] / 1e6:.0f} MB) above the optimizer alone", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--section", choices=("e", "f"), required=True)
+    parser.add_argument("--section", choices=("e", "f", "h"), required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
@@ -153,7 +215,7 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    (section_e if args.section == "e" else section_f)(args)
+    {"e": section_e, "f": section_f, "h": section_h}[args.section](args)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,7 @@ def compressed_allreduce(ops: TensorOps, comm: Communicator, codec: Codec, x: Te
     values, n, cols = padded_values(ops, codec, x, numel, size, prescale)
     gathered, ctx, row_bytes = exchange_compressed(ops, comm, codec, ops.reshape(values, (size, cols)), name=name,
                                                    key=key, seed=seed, scale=postscale_factor(op, postscale, size))
+    del values  # a padded copy (not the engine's buffer): not needed while the result is decoded
     out = ops.reshape(codec.decode(ops, gathered, ctx), (size * cols,))[:n]
     dtype = ops.dtype_name(x)
     return (ops.cast(out, dtype) if dtype != "float32" else out), 2 * (size - 1) * row_bytes
@@ -160,15 +161,23 @@ def exchange_compressed(ops: TensorOps, comm: Communicator, codec: Codec, rows: 
     ``<key>/reduced``."""
     # The transport's outputs may come from its own stream's memory (Horovod allocates them on its
     # thread); they are decoded on this one, so they are recorded here (see ops/torch_cuda.py).
+    # Each phase's tensors are dropped as soon as the next is made (benchmarks/memory.py): held to the
+    # return, the encoded rows, the received rows and their float32 sum (for int8 on 2 ranks, as much
+    # as the bucket in float32) were all alive during the allgather.
     payload, ctx = codec.encode(ops, rows, key=f"{key}/send", seed=seed.child("send"))
+    row_bytes = ops.shape(payload)[1] * ITEMSIZE["uint8"]
     received = comm.alltoall_async(payload, f"{name}.a2a").wait()
+    del payload
     ops.record_use(received)
     total = codec.decode_sum(ops, received, ctx, scale)
+    del received
 
     reduced, ctx2 = codec.encode(ops, total, key=f"{key}/reduced", seed=seed.child("reduced"))
+    del total
     gathered = comm.allgather_async(reduced, f"{name}.ag").wait()
+    del reduced
     ops.record_use(gathered)
-    return gathered, ctx2, ops.shape(payload)[1] * ITEMSIZE["uint8"]
+    return gathered, ctx2, row_bytes
 
 
 __all__ = ["Reduction", "allreduce_wire_bytes", "compressed_allreduce", "padded_numel", "reduce_bucket", "side_region"]
