@@ -176,4 +176,4 @@ def test_weight_prediction_keeps_its_flag_on_the_host_in_eager_steps(monkeypatch
         pass
     opt.flush()
     monkeypatch.undo()
-    assert wheres == [] and opt.core.prediction.host_flag
+    assert wheres == [] and opt.core.correction.started.variable is None  # a host flag
