@@ -293,8 +293,8 @@ def summarize(per_rank: List[Dict[str, Any]], keys: Sequence[str], choice: Optio
         rows.append({"config": key, "step_s": step, "speedup": horovod / step, "main_cpu_s": cpu(key, "main"),
                      "host_s": cpu(key, "main") - cpu(base, "main"), "other_cpu_s": cpu(key, "other"),
                      "compute_s": slowest_median(base),
-                     # the engine counts a float32 ring's bytes per call: per update, calls_per_update of them
-                     "wire": sent * calls_per_update(key) / fp32 if fp32 else None,
+                     # the engine counts both per pipeline step (an update, split_batch's too)
+                     "wire": sent / fp32 if fp32 else None,
                      "choice": choice if key == "auto" else None})
     return rows
 

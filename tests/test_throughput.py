@@ -21,7 +21,7 @@ GRAD = 16_000_000          # bytes of float32 gradient
 FIT = CommFit(fixed=0.02, wire=100e6, efficiency=0.8)
 # comm ~4x compute: Horovod hides a little, width 2 sits at the all-reduce, int8 is comm-bound.
 STEP = {"horovod": 0.95, "w1": 1.0, "w1-layer": 0.95, "w2": 0.81, "w2-fp16": 0.6, "w2-bf16": 0.6,
-        "w2-truncate16": 0.6, "w2-int8": 0.49, "w2-int4": 0.32, "w2-split-int8": 0.92, "w2-split-int4": 0.62}
+        "w2-truncate16": 0.6, "w2-int8": 0.49, "w2-int4": 0.32, "w2-split-int8": 0.57, "w2-split-int4": 0.41}
 COMM = {"none": 0.8, "fp16": 0.55, "bf16": 0.55, "truncate16": 0.55, "int8": 0.45, "int4": 0.3}
 CPU = {"none": 0.02, "fp16": 0.04, "bf16": 0.04, "truncate16": 0.1, "int8": 0.1, "int4": 0.1}
 
@@ -104,20 +104,21 @@ def test_model_gets_parts_only_and_reproduces_them():
     assert model.step["w1"] == pytest.approx(la.compute + (1 - h) * model.comm["none"], rel=1e-9)
 
 
-def test_a_split_batch_update_is_two_calls_each_hiding_its_all_reduce_behind_half_the_compute():
+def test_a_split_batch_update_is_two_calls_hiding_its_one_all_reduce_behind_the_look_ahead_half():
     la = made_up()
     assert calls("w2-split-int8") == 2 and calls("w2-int8") == 1
-    # two all-reduces of 0.451 s per update against one compute of 0.201 s
-    assert la.bound("w2-split-int8") == pytest.approx(2 * 0.451)
+    # one all-reduce of 0.451 s per update behind half of a compute of 0.201 s, then the other half
+    assert la.bound("w2-split-int8") == pytest.approx(0.451 + 0.201 / 2)
     assert la.bound("w2-int8") == pytest.approx(0.451)
     model = fit_model(la)
-    assert model.step["w2-split-int8"] == pytest.approx(2 * model.comm["int8"], rel=1e-9)
-    # compute off the cores (no interference): each call max(half the compute, its all-reduce)
+    assert model.step["w2-split-int8"] == pytest.approx(model.comm["int8"] + 0.201 / 2, rel=1e-9)
+    # compute off the cores (no interference): max(half the compute, the all-reduce) + half the compute
     for compute in (0.2, 0.8):     # int4's all-reduce (0.3 s) longer, then shorter than half of compute
         off = made_up(compute=compute)
         off.raw["offloaded"] = True
         model = fit_model(off)
-        assert model.step["w2-split-int4"] == pytest.approx(2 * max((compute + 0.001) / 2, model.comm["int4"]))
+        half = (compute + 0.001) / 2
+        assert model.step["w2-split-int4"] == pytest.approx(max(half, model.comm["int4"]) + half)
     assert la.loop("w2-split-int8") is None and la.loop("w2-int8") == pytest.approx(0.491)
 
 
@@ -126,16 +127,16 @@ def test_targets_come_from_the_launch():
     found = {t.name: t for t in targets([la], [fit_model(la)])}
     int8 = next(t for name, t in found.items() if "int8 (EF) >= 3.5x" in name)
     assert not int8.met and int8.measured == f"{0.951 / 0.491:.2f}x"
-    # every pipelined row within 10% of its bound (split int8: 0.902 / 0.921 = 98%)
+    # every pipelined row within 10% of its bound (split int8: 0.5515 / 0.571 = 97%)
     assert all(t.met for name, t in found.items() if "within 10% of its bound" in name)
     split = next(t for name, t in found.items() if "split_batch + int8 (EF) within 10%" in name)
-    assert split.measured == "bound / step = 98%"
+    assert split.measured == "bound / step = 97%"
     cpu = {c: next(t for name, t in found.items() if name.endswith(f" {c} all-reduce's CPU on a rank < 20% of compute"))
            for c in CODECS}
     assert cpu["fp16"].met and not cpu["int8"].met                      # 0.1 s against 20% of 0.201 s
     w1 = next(t for name, t in found.items() if "width 1 within 3%" in name)
     assert not w1.met and w1.measured == f"width 1 / Horovod = {1.001 / 0.951:.3f}"
-    assert speedup(la, "w2-split-int4") == pytest.approx(0.951 / 0.621)
+    assert speedup(la, "w2-split-int4") == pytest.approx(0.951 / 0.411)
 
 
 def test_split_rows_run_at_comm_about_compute_and_five_times_compute():
@@ -156,7 +157,7 @@ def test_a_record_renders_one_row_per_configuration_the_targets_and_the_plot(tmp
               "launches": [dataclasses.asdict(two)]}
     text = render(record, tmp_path / "throughput.png")
     assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| pipesgd width 2 + split_batch + int8 (EF) | 921 | 1.03x | 902 | 98% |  |" in text
+    assert "| pipesgd width 2 + split_batch + int8 (EF) | 571 | 1.67x | 552 | 97% |  |" in text
     assert "| pipesgd width 2 + int8 (EF) | 491 | 1.94x | 451 | 92% | 491 (1.00) |" in text
     assert "pipesgd width 1 |" not in text and "HOROVOD_CYCLE_TIME=20" in text
     # comm/compute 0.801 / 0.201 = 3.99 misses the aim 5 by 20%
