@@ -1,6 +1,6 @@
 """Horovod elastic (``hvd.elastic.run`` + ``hvd.elastic.TorchState``) with the pipelined optimizer.
 
-The rule (``pipesgd_hvd/optimizer/elastic.py``): a world change drops the old world's unwaited reductions
+The rule (``pipesgd_hvd/optimizer/elastic_rule.py``): a world change drops the old world's unwaited reductions
 on every rank, a lost worker sends every survivor back to the last commit (its in-flight gradient
 included), and every rank of the new world, joining ones too, continues from rank 0's state.
 """
@@ -14,7 +14,7 @@ import torch
 
 import pipesgd_hvd.torch as psgd
 from launcher import HOROVODRUN_CHECKED, TESTS, run_command
-from pipesgd_hvd.optimizer import elastic
+from pipesgd_hvd.optimizer import elastic_rule as elastic
 from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from threads import run_threads

@@ -1,7 +1,7 @@
 """Horovod elastic for Keras 3 (``pipesgd_hvd.keras.elastic``): KerasState with the pipelined
 optimizer, ``run``'s error mapping, the elastic callbacks, and a real elastic job.
 
-The rule (``pipesgd_hvd/optimizer/elastic.py``, as for PyTorch): a commit settles the pipeline, a lost
+The rule (``pipesgd_hvd/optimizer/elastic_rule.py``, as for PyTorch): a commit settles the pipeline, a lost
 worker sends every survivor back to the last commit (its pending gradient included), and every
 rank of a new world, joining ones too, continues from rank 0's state, traced anew.
 """
@@ -26,7 +26,7 @@ from pipesgd_hvd.pipeline.config import PipelineConfig  # noqa: E402
 from pipesgd_hvd.compression import resolve_compression  # noqa: E402
 from pipesgd_hvd.keras.elastic import lost_world, raise_lost_world_as_internal_error  # noqa: E402
 from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
-from pipesgd_hvd.tensorflow.pipeline import GraphPipeline  # noqa: E402
+from pipesgd_hvd.keras.traced_engine import TracedEngine  # noqa: E402
 from pipesgd_hvd.pipeline.fusion import TensorSpec  # noqa: E402
 from test_elastic import third_local_name  # noqa: E402
 from threads import run_threads  # noqa: E402
@@ -139,8 +139,8 @@ def _step(model, opt, seed):
 
 
 def _pending(opt):
-    entry = opt.pipeline.reduced_state_dict()
-    return opt.pipeline.step, [[g for _, g in sorted(e["grads"].items())] for e in entry["in_flight"]]
+    entry = opt.engine.reduced_state_dict()
+    return opt.engine.step, [[g for _, g in sorted(e["grads"].items())] for e in entry["in_flight"]]
 
 
 def test_keras_state_builds_the_optimizer_and_restore_goes_back_to_the_commit_pending_gradient_included():
@@ -148,7 +148,7 @@ def test_keras_state_builds_the_optimizer_and_restore_goes_back_to_the_commit_pe
     model, opt = _model_and_optimizer(comm)
     assert not opt.built
     state = hvd.elastic.KerasState(model, batch=0)
-    assert opt.built and opt.pipeline is not None, "built on the model's trainable variables, as fit would"
+    assert opt.built and opt.engine is not None, "built on the model's trainable variables, as fit would"
     for s in range(3):
         _step(model, opt, s)
     model.train_function = "traced"  # stands for a traced step of the old pipeline
@@ -157,7 +157,7 @@ def test_keras_state_builds_the_optimizer_and_restore_goes_back_to_the_commit_pe
     weights, slots = [v.numpy() for v in model.variables], [v.numpy() for v in opt.variables]
     step, pending = _pending(opt)
     assert step == 3 and len(pending) == 1, "the commit holds the reduced pending gradient"
-    old_pipeline = opt.pipeline
+    old_pipeline = opt.engine
     for s in range(3, 5):
         _step(model, opt, s)
     state.batch = 5
@@ -169,7 +169,7 @@ def test_keras_state_builds_the_optimizer_and_restore_goes_back_to_the_commit_pe
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(slots, opt.variables))
     assert _pending(opt)[0] == 3
     assert all(np.array_equal(a, b) for a, b in zip(pending[0], _pending(opt)[1][0]))
-    assert opt.pipeline is not old_pipeline and opt.pipeline is opt.core.graph, "checkpoints track the new one"
+    assert opt.engine is not old_pipeline and opt.engine is opt.core.engine, "checkpoints track the new one"
     assert model.train_function is None, "traced again at the next fit"
     begun, ended = opt.core.progress.counts()
     assert begun == ended, "the failed step no longer counts as in progress (watchdog, exit)"
@@ -222,11 +222,11 @@ def test_a_pipeline_built_without_the_rank_check_issues_no_collective_and_primes
     survivors of a lost worker rebuild theirs while Horovod is broken: no collective may run."""
     specs = [TensorSpec("w", (5, 3), "float32"), TensorSpec("b", (3,), "float32")]
     config = PipelineConfig(name="t", width=2)
-    quiet = GraphPipeline(specs, comm=_NoCollectives(), codec=resolve_compression("int8"), config=config,
+    quiet = TracedEngine(specs, comm=_NoCollectives(), codec=resolve_compression("int8"), config=config,
                           check_ranks=False)
 
     def checked(rank, comm):
-        pipe = GraphPipeline(specs, comm=comm, codec=resolve_compression("int8"), config=config)
+        pipe = TracedEngine(specs, comm=comm, codec=resolve_compression("int8"), config=config)
         return {k: tuple(v.shape) for k, v in pipe._residuals().items()}, pipe._sent
 
     shapes, sent = run_threads(LocalWorld(2, TensorFlowOps()), checked)[1]

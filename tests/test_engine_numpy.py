@@ -17,7 +17,7 @@ from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce, side_region
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.optimizer.core import OptimizerCore
-from pipesgd_hvd.optimizer.options import PipelineOptions
+from pipesgd_hvd.optimizer.options import OptimizerOptions
 from pipesgd_hvd.pipeline.engine import PipelineEngine
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.pipeline.fusion import TensorSpec
@@ -216,7 +216,7 @@ def step(core, adapter):
 
 
 def run_core(width, warmup, steps, flush, restart_at=None):
-    options = PipelineOptions.from_arguments(width=width, warmup_steps=warmup, fusion_threshold_mb=THRESHOLD / 2**20)
+    options = OptimizerOptions.from_arguments(width=width, warmup_steps=warmup, fusion_threshold_mb=THRESHOLD / 2**20)
 
     def rank_fn(rank, comm):
         adapter = NumpyAdapter()

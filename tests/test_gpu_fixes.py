@@ -19,7 +19,7 @@ from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Compression, resolve_compression
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
-from pipesgd_hvd.torch.adapter import TorchAdapter
+from pipesgd_hvd.torch.tensors import TorchAdapter
 from pipesgd_hvd.torch.fingerprint import fingerprint
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from pipesgd_hvd.pipeline.fusion import TensorSpec

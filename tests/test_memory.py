@@ -49,12 +49,12 @@ def test_without_the_counter_a_rank_says_how_to_load_it():
 
 
 def test_owners_by_the_walks_path():
-    assert memory.classify("opt._core.pipeline.codec._residuals['b0/send']") == "error-feedback residuals"
+    assert memory.classify("opt._core.engine.codec._residuals['b0/send']") == "error-feedback residuals"
     assert memory.classify("opt._core.split.real[3]") == "accurate mode's copies"
     assert memory.classify("opt._core.adapter.snapshot._saved[*]['exp_avg']") == "accurate mode's copies"
-    assert memory.classify("opt._core.pipeline._buffers[*][0]") == "pipeline buffers"
-    assert memory.classify("opt._core.pipeline._queue[0].buffers[1]") == "pipeline buffers"  # a step's own slot
-    assert memory.classify("opt._core.pipeline._queue[0].reductions[2].future[0]") == "reduced in flight"
+    assert memory.classify("opt._core.engine._buffers[*][0]") == "pipeline buffers"
+    assert memory.classify("opt._core.engine._queue[0].buffers[1]") == "pipeline buffers"  # a step's own slot
+    assert memory.classify("opt._core.engine._queue[0].reductions[2].future[0]") == "reduced in flight"
     assert memory.classify("opt._core._held[0].inspector.comm._world._results[*][0]") == "transport's buffers"
     # the word nearest the tensor names it: a correction reaching the transport through its context
     assert memory.classify("opt._core.correction.context.comm._world._results[*][0]") == "transport's buffers"

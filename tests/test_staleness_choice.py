@@ -70,7 +70,7 @@ def test_auto_falls_back_where_the_rule_s_correction_cannot_run():
 
 def test_keras_optimizer_families():
     keras = pytest.importorskip("keras")
-    from pipesgd_hvd.tensorflow.optimizer import optimizer_family as keras_family
+    from pipesgd_hvd.keras.optimizer import optimizer_family as keras_family
 
     assert [keras_family(o) for o in (keras.optimizers.SGD(), keras.optimizers.AdamW(), keras.optimizers.Nadam(),
                                       keras.optimizers.Lion())] == ["sgd", "adam", "adaptive", "other"]

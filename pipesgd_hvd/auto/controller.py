@@ -136,7 +136,7 @@ def model_name(codec: Codec) -> str:
     return base if base in CODECS else codec.name
 
 
-class Pipeline(Protocol):
+class Engine(Protocol):
     """What a check needs of the running pipeline: the eager engine, or TensorFlow's."""
 
     specs: List[TensorSpec]
@@ -285,7 +285,7 @@ class AutoController:
         step), instead of :meth:`reduction_started`'s clock."""
         self._samples.append(max(float(seconds), 0.0))
 
-    def after_step(self, engine: Pipeline, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
+    def after_step(self, engine: Engine, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
         """Call right after ``engine.end_step`` returned ``applied``. At a check (collective on every
         rank at the same step) returns the flushed in-flight steps, oldest first, for the adapter to
         apply after ``applied``; the engine may have been rebuilt (read it again). Else ``[]``."""
@@ -299,7 +299,7 @@ class AutoController:
         return flushed
 
     # ------------------------------------------------------------------------------ a check
-    def _check(self, engine: Pipeline, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
+    def _check(self, engine: Engine, applied: Sequence[AppliedStep]) -> List[AppliedStep]:
         flushed = engine.flush()  # collective; checks first that every rank ran as many steps
         latest = list(applied) + flushed
         nbytes = 4 * sum(math.prod(spec.shape) for spec in engine.specs)

@@ -2,7 +2,7 @@
 
 A TensorFlow collective is an op in the step's graph: it starts when its inputs are ready and
 the executor gets to it, so "async" here means "an op whose result is a tensor"; the handles are
-already done. Overlap comes from the graph (see tensorflow/optimizer.py), not from polling.
+already done. Overlap comes from the graph (see keras/optimizer.py), not from polling.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from ..compression import Compression
 from ..pipeline.guards import ReplicaDriftError, StepCountMismatchError
 from ..staleness.choice import AccuracyWarning
 from ..staleness.halves import halves
-from ..tensorflow.optimizer import DistributedOptimizer, load_model
+from .optimizer import DistributedOptimizer, load_model
 from . import callbacks, elastic
 from .callbacks import broadcast_global_variables, broadcast_variables
 

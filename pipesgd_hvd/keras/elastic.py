@@ -10,7 +10,7 @@ collective, e.g. an alltoall) would end training silently, as if it had finished
 ``UpdateBatchStateCallback`` shortens the first epoch after a reset by writing
 ``params["steps"]``, which Keras 3 never reads.
 
-Here, with the rule of :mod:`pipesgd_hvd.optimizer.elastic` (the same as PyTorch's ``TorchState``):
+Here, with the rule of :mod:`pipesgd_hvd.optimizer.elastic_rule` (the same as PyTorch's ``TorchState``):
 
 * ``state.commit()`` settles the pipeline (collective: the pending gradients are reduced and stay
   reduced, the same bytes on every rank) and saves the model's variables, the optimizer's own
@@ -37,8 +37,8 @@ from horovod.common.exceptions import HorovodInternalError
 
 from ..comm.base import PeerLostError
 from ..comm.horovod_tensorflow import broadcast_object
-from ..tensorflow.core import KerasCore
-from ..tensorflow.optimizer import _PipelinedOptimizer
+from .traced_step import KerasCore
+from .optimizer import _PipelinedOptimizer
 from .callbacks import broadcast_variables
 
 # What a Horovod op says when its world broke: Horovod shut down after a transport error (a lost

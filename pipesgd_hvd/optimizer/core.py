@@ -1,6 +1,6 @@
 """The pipelined optimizer's per-step policy for frameworks whose step runs in Python (PyTorch),
 written once and framework-free: a framework plugs in through
-:class:`~pipesgd_hvd.optimizer.adapter.TrainingAdapter` and drives the steps itself, as Horovod's
+:class:`~pipesgd_hvd.optimizer.framework.TrainingAdapter` and drives the steps itself, as Horovod's
 optimizer does (``step -> synchronize -> the wrapped optimizer's step``).
 
 Per call of ``step()``::
@@ -16,7 +16,7 @@ The framework asks its own tensors once per call (the loss scale ``s``) and pass
 down; nothing here calls back into it in that steady state. Only the rarer paths (``flush()``,
 ``join()``, exit) ask the adapter to apply an update (:meth:`TrainingAdapter.apply`).
 
-On top of :class:`~pipesgd_hvd.optimizer.lifecycle.PipelineLifecycle` (the engine's life, auto mode,
+On top of :class:`~pipesgd_hvd.optimizer.lifecycle.Lifecycle` (the engine's life, auto mode,
 checkpoint entry, elastic), the core owns the fill/apply bookkeeping (a call that has nothing to
 apply yet, a GradScaler that skipped a step, older steps applied early when the width shrinks),
 backward-pass counting, flush-and-apply, the moments at which the staleness correction
@@ -41,10 +41,10 @@ from ..pipeline.engine import AppliedStep, PipelineEngine
 from ..pipeline.stall import StallInspector
 from ..staleness.correction import Call, Correction, Grads
 from . import checkpoint
-from .adapter import TrainingAdapter
-from .elastic import is_elastic_job
-from .lifecycle import PipelineLifecycle, call_at_exit
-from .options import PipelineOptions
+from .framework import TrainingAdapter
+from .elastic_rule import is_elastic_job
+from .lifecycle import Lifecycle, call_at_exit
+from .options import OptimizerOptions
 
 
 @dataclass
@@ -86,12 +86,12 @@ SYNCHRONIZE_THEN_STEP = ("optimizer.step() called without optimizer.skip_synchro
                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
-class OptimizerCore(PipelineLifecycle):
+class OptimizerCore(Lifecycle):
     """One pipelined optimizer's state and per-step policy (see the module docstring)."""
 
     eager_steps = True
 
-    def __init__(self, options: PipelineOptions, names: Sequence[str], adapter: TrainingAdapter,
+    def __init__(self, options: OptimizerOptions, names: Sequence[str], adapter: TrainingAdapter,
                  comm: Communicator, comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         self.adapter = adapter
         self._inspector: Optional[StallInspector] = None  # one per transport, kept across engines
@@ -116,7 +116,7 @@ class OptimizerCore(PipelineLifecycle):
         # abandoned alike everywhere; say so, and stop its hooks.
         weakref.finalize(self, _dropped, self._held, adapter).atexit = False
 
-    def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
+    def build_engine(self, config: PipelineConfig, codec: Codec, *, first_step: int,
                        check_ranks: bool) -> PipelineEngine:
         return PipelineEngine(self.adapter.tensor_specs(), ops=self.adapter.ops, comm=self.comm, codec=codec,
                               config=config, device_anchors=self.adapter.device_anchors(), first_step=first_step,
@@ -132,10 +132,6 @@ class OptimizerCore(PipelineLifecycle):
                 self._inspector.close()
             self._inspector = StallInspector.for_comm(self.comm, self.name)
         return self._inspector
-
-    @property
-    def engine(self) -> PipelineEngine:
-        return self._held[0]  # type: ignore[no-any-return]
 
     def check_tensors_can_change(self) -> None:
         """Raises once training has started: the tensor list is fixed from the first step on."""
@@ -514,7 +510,7 @@ class OptimizerCore(PipelineLifecycle):
         self.load_correction(entry)
 
     # -------------------------------------------------------------------- Horovod elastic
-    # Called through the framework's elastic state handler; the rule is pipesgd_hvd/optimizer/elastic.py's.
+    # Called through the framework's elastic state handler; the rule is pipesgd_hvd/optimizer/elastic_rule.py's.
     def elastic_restore(self, committed: Dict[str, Any]) -> None:  # type: ignore[override]
         """After HorovodInternalError: back to the last commit (the framework's state dict)."""
         # A copy: the framework's load may keep the given tensors, and training would then change

@@ -1,9 +1,9 @@
 """What every pipelined optimizer shares, whether its step runs in Python (PyTorch) or in a traced
 graph (Keras): the pipeline's life and its state around the steps.
 
-:class:`PipelineLifecycle` owns the pipeline object (the eager
-:class:`~pipesgd_hvd.pipeline.engine.PipelineEngine`, or TensorFlow's ``GraphPipeline``, built by the
-subclass's ``build_pipeline``) and everything that replaces or saves it:
+:class:`Lifecycle` owns the pipeline object (the eager
+:class:`~pipesgd_hvd.pipeline.engine.PipelineEngine`, or TensorFlow's ``TracedEngine``, built by the
+subclass's ``build_engine``) and everything that replaces or saves it:
 
 * its name, agreed across ranks (:func:`~pipesgd_hvd.pipeline.guards.agree_pipeline_name`);
 * the auto mode (:mod:`pipesgd_hvd.auto.controller`), which rebuilds it with another width or
@@ -13,7 +13,7 @@ subclass's ``build_pipeline``) and everything that replaces or saves it:
   and kept across the auto mode's rebuilds;
 * the one checkpoint entry (:mod:`pipesgd_hvd.optimizer.checkpoint`);
 * Horovod elastic: dropping what the old world left in flight, rebuilding for the new world and
-  continuing from rank 0's state (the rule of :mod:`pipesgd_hvd.optimizer.elastic`).
+  continuing from rank 0's state (the rule of :mod:`pipesgd_hvd.optimizer.elastic_rule`).
 """
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ from ..pipeline.guards import agree_pipeline_name, provisional_name
 from ..staleness import correction as corrections
 from ..staleness.choice import AccuracyWarning
 from ..staleness.correction import Correction, CorrectionContext
-from . import checkpoint, elastic
-from .adapter import FrameworkSide
-from .options import PipelineOptions
+from . import checkpoint, elastic_rule
+from .framework import FrameworkSide
+from .options import OptimizerOptions
 
 
-class Pipeline(Protocol):
+class Engine(Protocol):
     """What the life cycle needs of a pipeline (the eager engine and TensorFlow's both are one)."""
 
     specs: List[TensorSpec]
@@ -60,33 +60,33 @@ class Pipeline(Protocol):
     def close(self) -> None: ...
 
 
-class PipelineLifecycle:
+class Lifecycle:
     """The pipeline of one optimizer, from construction to interpreter exit (module docstring)."""
 
     # True where every step runs in Python (PyTorch): per-step flags then stay on the host; False
     # where the step is traced (Keras), so they must be graph variables.
     eager_steps = False
 
-    def __init__(self, options: PipelineOptions, names: Sequence[str], comm: Communicator, framework: FrameworkSide,
+    def __init__(self, options: OptimizerOptions, names: Sequence[str], comm: Communicator, framework: FrameworkSide,
                  comm_factory: Optional[Callable[[], Communicator]] = None) -> None:
         """``comm_factory``: builds the transport again for a new Horovod elastic world
         (collective); the transport is then this optimizer's own, closed at a change of the world
         and at exit. ``framework``: the tensors and the wrapped optimizer (PyTorch's adapter, or
-        Keras's side); subclasses supply :meth:`build_pipeline`. Nothing here holds a reference to
+        Keras's side); subclasses supply :meth:`build_engine`. Nothing here holds a reference to
         ``self`` (callbacks are weak): an optimizer the user drops is freed at once, and its hooks
         stop."""
         self.options, self.comm, self.framework, self.ops = options, comm, framework, framework.ops
         self._comm_factory = comm_factory
-        self._held: List[Any] = [None]  # the pipeline, where a finalizer can see it without holding self
+        self._held: List[Any] = [None]  # the engine, where a finalizer can see it without holding self
         self.names = list(names)
         self.width, self._codec_template = options.initial()
         # Under Horovod elastic a joining worker builds its optimizer while the others sync, so it
         # issues no collective here; the pipeline is built again, checked, in elastic_sync().
-        joining = elastic.is_elastic_job()
+        joining = elastic_rule.is_elastic_job()
         self._name = provisional_name() if joining else agree_pipeline_name(comm)
         self.topology: Optional[Topology] = None if joining else self._new_topology()
         self.hierarchical = True  # byte codecs use the topology where there is one (the auto mode may say no)
-        self.pipeline = self._new_pipeline(check_ranks=not joining)
+        self._set_engine(self._new_engine(check_ranks=not joining))
         self.auto_controller = None if options.auto is None else \
             AutoController(options.auto, comm, self.ops, rebuild=weak_method(self._switch), topology=self.topology,
                            choose_hierarchy=options.hierarchical is None, node_dtype=options.node_dtype())
@@ -96,13 +96,10 @@ class PipelineLifecycle:
         self.switched: List[Callable[[], None]] = []  # told after the auto mode rebuilt the pipeline
 
     # ------------------------------------------------------------------------ the pipeline
-    @property
-    def pipeline(self) -> Pipeline:
-        return self._held[0]
-
-    @pipeline.setter
-    def pipeline(self, value: Pipeline) -> None:
-        self._held[0] = value
+    def _set_engine(self, engine: Engine) -> None:
+        """``self.engine`` is a plain attribute (read on every step); the finalizer sees the same
+        engine through ``_held``."""
+        self.engine = self._held[0] = engine
 
     @property
     def name(self) -> str:
@@ -111,14 +108,14 @@ class PipelineLifecycle:
 
     @property
     def stats(self) -> WireStats:
-        return self.pipeline.stats
+        return self.engine.stats
 
-    def _new_pipeline(self, first_step: int = 0, check_ranks: bool = True) -> Pipeline:
+    def _new_engine(self, first_step: int = 0, check_ranks: bool = True) -> Engine:
         codec = resolve_compression(self._codec_template)
         on = self.topology is not None and self.hierarchical and not codec.summable
         hierarchical = self.options.node_dtype() if on else None
         config = self.options.config(self._name, width=self.width, hierarchical=hierarchical)
-        return self.build_pipeline(config, codec, first_step=first_step, check_ranks=check_ranks)
+        return self.build_engine(config, codec, first_step=first_step, check_ranks=check_ranks)
 
     def _new_topology(self) -> Optional[Topology]:
         """The node groups of hierarchical reductions, where ``hierarchical`` asks for them and a
@@ -130,27 +127,27 @@ class PipelineLifecycle:
         return resolve_topology(self.options.hierarchical, self.comm, name=f"{self._name}.topology",
                                 settings=(codec.name, None if auto is None else auto.compression), wanted=not plain)
 
-    def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int, check_ranks: bool) -> Pipeline:
+    def build_engine(self, config: PipelineConfig, codec: Codec, *, first_step: int, check_ranks: bool) -> Engine:
         """A new pipeline; ``check_ranks``: run the cross-rank check of settings and tensors
         (collective) now."""
         raise NotImplementedError
 
     def rebuild(self) -> None:
         """A new pipeline over the same settings (the tensor list changed before training)."""
-        self.pipeline.close()
-        self.pipeline = self._new_pipeline()
+        self.engine.close()
+        self._set_engine(self._new_engine())
         self.correction = self._new_correction()
 
     def _switch(self, width: int, compression: Any, hierarchical: bool = False) -> None:
         """The auto mode's rebuild: the pipeline was flushed; the next one continues its step
         count and byte counts (a fresh name per configuration keeps the collectives' names apart).
         ``hierarchical``: a byte codec reduces over the topology."""
-        old = self.pipeline
+        old = self.engine
         old.close()
         self.width, self._codec_template, self.hierarchical = width, compression, hierarchical
         self._name = f"{self._name.split('.auto')[0]}.auto{old.step}"
-        self.pipeline = self._new_pipeline(first_step=old.step)
-        self.pipeline.stats = old.stats
+        self._set_engine(self._new_engine(first_step=old.step))
+        self.engine.stats = old.stats
         for listener in self.switched:
             listener()
 
@@ -169,7 +166,7 @@ class PipelineLifecycle:
         with self.framework.weights_guard():
             saved = self.correction.state_dict(self.names)
         return checkpoint.compose(
-            self.pipeline.state_dict(),
+            self.engine.state_dict(),
             auto=self.auto_controller.state_dict() if self.auto_controller is not None else None,
             corrections=saved)
 
@@ -178,8 +175,8 @@ class PipelineLifecycle:
         auto choice is collective: load on every rank."""
         if entry.get("auto") is not None and self.auto_controller is not None:
             self.auto_controller.load_state_dict(entry["auto"])  # the width and codec it ran with
-        checkpoint.check_resumable(entry["settings"], self.pipeline.settings())
-        self.pipeline.load_state_dict(entry)
+        checkpoint.check_resumable(entry["settings"], self.engine.settings())
+        self.engine.load_state_dict(entry)
 
     def load_correction(self, entry: Optional[Dict[str, Any]]) -> None:
         """After the model's weights (and the wrapped optimizer's state) were loaded: the
@@ -211,11 +208,11 @@ class PipelineLifecycle:
     def elastic_restore(self, entry: Optional[Dict[str, Any]]) -> None:
         """After HorovodInternalError (a worker was lost): drop what is in flight, unwaited, and
         go back to the committed entry. Horovod is broken here: no collective."""
-        self.pipeline.abandon()
+        self.engine.abandon()
         self.close_comm()  # its peers are gone or about to be; elastic_sync builds it anew
-        self.pipeline = self._new_pipeline(check_ranks=False)
+        self._set_engine(self._new_engine(check_ranks=False))
         if entry is not None:
-            self.pipeline.load_state_dict(entry)
+            self.engine.load_state_dict(entry)
 
     def elastic_sync(self, root_state: Callable[[], Any] = lambda: None,
                      load_root_state: Callable[[Any], None] = lambda state: None) -> None:
@@ -223,9 +220,9 @@ class PipelineLifecycle:
         unreduced steps, rebuild the pipeline for this world (cross-rank check included) and
         continue from rank 0's state: ``root_state()`` (the wrapped optimizer's, loaded with
         ``load_root_state``), the reduced in-flight gradients and the step count; error-feedback
-        residuals start afresh (pipesgd_hvd.optimizer.elastic). The staleness correction takes rank
+        residuals start afresh (pipesgd_hvd.optimizer.elastic_rule). The staleness correction takes rank
         0's state, settled: the real weights in the model, nothing of a rank's own kept."""
-        held = self.pipeline.abandon()
+        held = self.engine.abandon()
         if self._comm_factory is not None:  # the old world's connections; every rank is here: build anew
             self.close_comm()
             self.comm = self._comm_factory()
@@ -236,15 +233,15 @@ class PipelineLifecycle:
             if self.topology is not None:
                 self.topology.close()
             self.topology = self._new_topology()
-        self.pipeline = self._new_pipeline()
+        self._set_engine(self._new_engine())
         root = None
         if self.comm.rank == 0:
             with self.framework.weights_guard():
                 correction = self.correction.state_dict(self.names)
-            root = (root_state(), elastic.state_for_new_world(held, self.pipeline.codec.state_dict()), correction)
+            root = (root_state(), elastic_rule.state_for_new_world(held, self.engine.codec.state_dict()), correction)
         outer, entry, correction = self.comm.allgather_object(root, f"{self._name}.elastic")[0]
         load_root_state(outer)
-        self.pipeline.load_state_dict(entry)
+        self.engine.load_state_dict(entry)
         with self.framework.weights_guard():
             self.correction.load_state_dict(correction, self.names)
             self.correction.before_flush()

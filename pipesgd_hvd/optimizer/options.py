@@ -1,6 +1,6 @@
 """Every argument the pipelined optimizers take, checked once for every framework.
 
-:meth:`PipelineOptions.from_arguments` reads Horovod's arguments and ours the way PyTorch's and
+:meth:`OptimizerOptions.from_arguments` reads Horovod's arguments and ours the way PyTorch's and
 Keras's ``DistributedOptimizer`` both receive them, and raises a ValueError naming the argument
 and the fix before anything collective happens (a bad argument is the same on every rank, so
 every rank raises and none is left waiting).
@@ -25,7 +25,7 @@ from ..staleness.split_batch import DEFAULT_FRESH_FRACTION, check_fresh_fraction
 
 
 @dataclass(frozen=True)
-class PipelineOptions:
+class OptimizerOptions:
     """The settings of one pipelined optimizer, validated. ``auto`` is set when ``width`` or
     ``compression`` is ``"auto"``; the pipeline then starts with ``initial()``."""
 
@@ -56,7 +56,7 @@ class PipelineOptions:
                        sparse_as_dense: Any = False, auto_measure_steps: Any = 10, auto_recheck_every: Any = 500,
                        communicator: Any = None, process_set: Any = None, hvd: Any = None,
                        optimizer_family: Optional[str] = None, optimizer_name: str = "the optimizer",
-                       hierarchical: Any = None, grad_scaler: bool = False) -> "PipelineOptions":
+                       hierarchical: Any = None, grad_scaler: bool = False) -> "OptimizerOptions":
         """``hvd``: the Horovod module of the framework, if installed (resolves ``hvd.Average``,
         ``hvd.Sum``, ``hvd.Adasum`` and the global process set). ``optimizer_family``: the
         wrapped optimizer's (:data:`pipesgd_hvd.staleness.choice.FAMILIES`), which
@@ -114,7 +114,7 @@ class PipelineOptions:
         ``hierarchical`` names."""
         return _NODE_DTYPES.get(self.hierarchical, "float32") if isinstance(self.hierarchical, str) else "float32"
 
-    def replace(self, **changes: Any) -> "PipelineOptions":
+    def replace(self, **changes: Any) -> "OptimizerOptions":
         return dataclasses.replace(self, **changes)
 
 
@@ -176,7 +176,7 @@ def check_global_process_set(process_set: Any, hvd: Optional[Any]) -> None:
                          "own DistributedOptimizer for a process set)")
 
 
-def correction_refusal(options: PipelineOptions, grad_scaler: bool = False) -> Optional[str]:
+def correction_refusal(options: OptimizerOptions, grad_scaler: bool = False) -> Optional[str]:
     """Why the staleness correction cannot run with the other settings (None: it can): each
     correction says it (:meth:`~pipesgd_hvd.staleness.correction.Correction.refusal`)."""
     return correction_class(options.staleness_correction).refusal(options, grad_scaler)

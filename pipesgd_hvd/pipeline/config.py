@@ -1,7 +1,7 @@
 """Settings of one pipeline (the same on every rank) and its byte counters.
 
 Shared by the eager engine (:mod:`pipesgd_hvd.pipeline.engine`), TensorFlow's traced executor
-(``tensorflow/pipeline.py``), the cross-rank checks and the optimizer core; it imports none of them.
+(``keras/traced_engine.py``), the cross-rank checks and the optimizer core; it imports none of them.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ from ..ops.base import MutableTensorOps, Tensor
 from .config import PipelineConfig, WireStats, integer, settings_entries
 from .fusion import Bucket, FusionLayout, TensorSpec, plan_buckets
 from .guards import check_pipeline_agrees, check_ranks_agree, check_replicas, check_steps_agree, checksum
-from .schedule import PipelineSchedule
+from .schedule import Schedule
 from .stall import StallInspector
 
 
@@ -120,7 +120,7 @@ class PipelineEngine:
         self.topology = topology
         self.specs = list(specs)
         self.ops, self.comm, self.codec, self.config = ops, comm, codec, config
-        self.schedule = PipelineSchedule(config)
+        self.schedule = Schedule(config)
         self._ready_order = list(ready_order) if ready_order is not None else list(range(len(self.specs)))[::-1]
         self._layouts: Dict[Tuple[int, ...], FusionLayout] = {}
         self._checked_sets: set = set()  # tensor sets the ranks agreed on (see end_step)

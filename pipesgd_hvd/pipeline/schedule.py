@@ -4,7 +4,7 @@ Which step's gradient is applied when, which slot holds a pending gradient, what
 is called and how its stochastic rounding is seeded. Every function here works on Python ints
 and on traced integer tensors alike (it uses only ``+ - % < >= & |``, which TensorFlow overloads
 element-wise), so the eager :class:`~pipesgd_hvd.pipeline.engine.PipelineEngine` calls it with ints and
-``tensorflow/pipeline.py`` with its step-counter variable, and both follow one rule::
+``keras/traced_engine.py`` with its step-counter variable, and both follow one rule::
 
     width K, warm-up W (steps 0 .. W-1 synchronous), the pipeline (re)starting at ``start``
     (W at first, the step after a flush later):
@@ -26,7 +26,7 @@ from .fusion import FusionLayout
 Step = Any  # a Python int, or a traced integer tensor
 
 
-class PipelineSchedule:
+class Schedule:
     """The rule above for one :class:`~pipesgd_hvd.pipeline.config.PipelineConfig`."""
 
     def __init__(self, config: PipelineConfig) -> None:

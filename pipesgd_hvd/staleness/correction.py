@@ -2,7 +2,7 @@
 
 A correction plugs into the pipelined optimizer the way a transform plugs into optax's ``chain``
 or a hook into PyTorch's ``register_comm_hook``: the optimizer's core (PyTorch's
-``optimizer/core.py`` and Keras's ``tensorflow/core.py``) calls these methods at fixed moments of
+``optimizer/core.py`` and Keras's ``keras/traced_step.py``) calls these methods at fixed moments of
 every call of ``step()`` / ``apply_gradients`` and never asks which correction it holds. The
 identity (:class:`Correction` itself, ``staleness_correction=False``) is what plain Pipe-SGD does.
 
@@ -55,7 +55,7 @@ class OptimizerSnapshot(Protocol):
 
 
 class FrameworkAccess(Protocol):
-    """What a correction may ask of the framework, once, when it is built (``optimizer/adapter.py``'s
+    """What a correction may ask of the framework, once, when it is built (``optimizer/framework.py``'s
     ``FrameworkSide`` implements it)."""
 
     def check_adam_support(self) -> None: ...
@@ -68,7 +68,7 @@ class CorrectionContext:
     """Everything a correction is built from. ``weights``: the tensors it may read and write
     (PyTorch parameters, Keras variables), in the optimizer's order; ``eager``: choices are made
     on the host (PyTorch) rather than traced (Keras); ``options``: the optimizer's
-    :class:`~pipesgd_hvd.optimizer.options.PipelineOptions` (for the correction's own settings)."""
+    :class:`~pipesgd_hvd.optimizer.options.OptimizerOptions` (for the correction's own settings)."""
 
     ops: TensorOps
     weights: Sequence[Any]
@@ -122,7 +122,7 @@ class Correction:  # noqa: B024 - the identity is usable as it is
     elastic: ClassVar[bool] = True
 
     def __init__(self, context: CorrectionContext) -> None:
-        self.context = context
+        # What every call needs; the rest of the context is read once by the subclass's __init__.
         self.ops, self.weights, self.eager = context.ops, list(context.weights), context.eager
 
     @classmethod

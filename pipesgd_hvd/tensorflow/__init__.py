@@ -7,6 +7,6 @@ eagerly or inside ``tf.function`` (where the reduction overlaps the next step's 
 from ..compression import Compression
 from ..staleness.choice import AccuracyWarning
 from ..staleness.halves import halves
-from .optimizer import DistributedOptimizer
+from ..keras.optimizer import DistributedOptimizer
 
 __all__ = ["AccuracyWarning", "Compression", "DistributedOptimizer", "halves"]

@@ -1,7 +1,7 @@
 """PyTorch's ``DistributedOptimizer``: Horovod's signature over the framework-free optimizer core.
 
-Translation only: arguments become :class:`~pipesgd_hvd.optimizer.options.PipelineOptions`, parameters
-and ``.grad`` are reached through :class:`~pipesgd_hvd.torch.adapter.TorchAdapter`, and
+Translation only: arguments become :class:`~pipesgd_hvd.optimizer.options.OptimizerOptions`, parameters
+and ``.grad`` are reached through :class:`~pipesgd_hvd.torch.tensors.TorchAdapter`, and
 every decision (what a step applies, flush, checkpoint, auto mode, elastic) is
 :class:`~pipesgd_hvd.optimizer.core.OptimizerCore`'s.
 """
@@ -19,15 +19,15 @@ from ..comm.torch_default import default_communicator
 from ..compression import Compression
 from ..optimizer import checkpoint
 from ..optimizer.core import OptimizerCore
-from ..optimizer.elastic import is_elastic_job
-from ..optimizer.options import PipelineOptions
+from ..optimizer.elastic_rule import is_elastic_job
+from ..optimizer.options import OptimizerOptions
 from ..pipeline.config import WireStats
 from ..pipeline.engine import PipelineEngine
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 from ..staleness.formulas import DEFAULT_DC_LAMBDA
 from ..staleness.split_batch import DEFAULT_FRESH_FRACTION
 from . import checks
-from .adapter import TorchAdapter
+from .tensors import TorchAdapter
 
 try:  # Horovod is the default transport, but torchrun users may not have it
     import horovod.torch as _hvd
@@ -110,7 +110,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a pipesgd_hvd DistributedOptimizer")
         checks.check_grad_scaler(grad_scaler)
-        options = PipelineOptions.from_arguments(
+        options = OptimizerOptions.from_arguments(
             width=width, compression=compression, warmup_steps=warmup_steps, fusion_threshold_mb=fusion_threshold_mb,
             op=op, gradient_predivide_factor=gradient_predivide_factor, seed=seed,
             check_replicas_every=check_replicas_every, staleness_correction=staleness_correction,

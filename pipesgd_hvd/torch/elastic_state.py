@@ -1,4 +1,4 @@
-"""``hvd.elastic.TorchState`` for the pipelined optimizer: the rule of :mod:`pipesgd_hvd.optimizer.elastic`.
+"""``hvd.elastic.TorchState`` for the pipelined optimizer: the rule of :mod:`pipesgd_hvd.optimizer.elastic_rule`.
 
 ``TorchState(model=..., optimizer=opt, ...)`` picks a handler per attribute from Horovod's
 registry, first match by ``isinstance``. Horovod's ``OptimizerStateHandler`` restores with

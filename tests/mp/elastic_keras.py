@@ -72,7 +72,7 @@ def done(state) -> int:
 def pipeline_view(settle: bool):
     """(pipeline step, pending gradients, digest of the reduced ones). ``settle``: reduce the
     pending gradients first (collective), as the commit that follows does anyway."""
-    pipe = opt.pipeline
+    pipe = opt.engine
     entry = pipe.state_dict() if settle else pipe.reduced_state_dict()
     grads = [g for e in entry["in_flight"] for _, g in sorted(e["grads"].items())]
     return pipe.step, len(entry["in_flight"]), digest(grads)

@@ -38,7 +38,7 @@ class Trace(keras.callbacks.Callback):
         self.opt, self.steps = opt, []
 
     def on_train_batch_begin(self, batch, logs=None):
-        graph = self.opt.pipeline
+        graph = self.opt.engine
         self.steps.append((graph.step, graph.config.width, graph.codec.name))
 
 
@@ -95,7 +95,7 @@ def check_scripted_matches_reference():
                                      auto_recheck_every=0)
     assert [h[:3] for h in history] == [(4, 2, "none")], history
     assert [w for _, w, _ in trace] == [1] * 4 + [2] * 8, trace
-    assert opt.pipeline.step == steps, opt.pipeline.step  # the new pipeline ran (traced again)
+    assert opt.engine.step == steps, opt.engine.step  # the new pipeline ran (traced again)
     assert_replicas_identical(model, "auto-scripted")
     # The rule computed in one process (to float32 round-off, as in keras_pipeline.py: the traced
     # step and the eager reference fuse ops differently).

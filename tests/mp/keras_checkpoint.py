@@ -34,15 +34,15 @@ def run(part: str) -> None:
     elif part == "part2":
         opt.build(model.trainable_variables)  # the pipeline's variables exist, so restore fills them now
         checkpoint.restore(f"{directory}/ckpt.{rank}-1").assert_consumed()
-        start = opt.pipeline.step
+        start = opt.engine.step
         assert start == save_at, (start, save_at)
 
     model.fit(x[start * BATCH:stop * BATCH], y[start * BATCH:stop * BATCH], batch_size=BATCH, shuffle=False,
               verbose=0)
     if part == "part1":
-        residuals = opt.pipeline.codec_state
+        residuals = opt.engine.codec_state
         assert residuals and any(float(tf.reduce_max(tf.abs(r))) > 0 for r in residuals), "EF residuals are saved"
-        assert float(tf.reduce_max(tf.abs(opt.pipeline.slots[0]))) > 0, "the in-flight gradient is saved"
+        assert float(tf.reduce_max(tf.abs(opt.engine.slots[0]))) > 0, "the in-flight gradient is saved"
         checkpoint.save(f"{directory}/ckpt.{rank}")
         passed("saved")
     elif part == "full":

@@ -176,7 +176,7 @@ for case in sys.argv[1:]:
             opt.flush()
             assert_replicas_identical(model, f"drift-clean-{loop}")
             last = (12 - 1) // every * every  # the last step a check ran at, and passed
-            assert opt.pipeline.step == 12, opt.pipeline.step
+            assert opt.engine.step == 12, opt.engine.step
             assert int(opt.core.replicas.agreed_at.numpy()) == last, (loop, opt.core.replicas.agreed_at)
             passed(f"keras-drift-checks-pass-while-equal-{loop}")
 

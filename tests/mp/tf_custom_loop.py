@@ -8,7 +8,7 @@ import tensorflow as tf
 import pipesgd_hvd.tensorflow as psgd
 from keras_common import (BATCH, FEATURES, LOSS, assert_replicas_identical, make_model, passed, rank_data,
                           reference_weights, reference_weights_compressed)
-from pipesgd_hvd.tensorflow.pipeline import STALE_SCOPE, SYNC_SCOPE
+from pipesgd_hvd.keras.traced_engine import STALE_SCOPE, SYNC_SCOPE
 
 hvd.init()
 STEPS = 15

@@ -20,8 +20,8 @@ program order, and ACD orders the two (same resource). ``tests/mp/tf_custom_loop
 traced graph.
 
 A slot can also hold a gradient that is reduced already (``reduced``): after
-:meth:`GraphPipeline.state_dict` settled it for a checkpoint or an elastic commit, or after
-:meth:`GraphPipeline.load_state_dict`; the step then applies it as it is.
+:meth:`TracedEngine.state_dict` settled it for a checkpoint or an elastic commit, or after
+:meth:`TracedEngine.load_state_dict`; the step then applies it as it is.
 """
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ from ..pipeline.config import PipelineConfig, WireStats, settings_entries
 from ..pipeline.engine import AppliedStep
 from ..pipeline.fusion import Bucket, TensorSpec, plan_buckets
 from ..pipeline.guards import check_pipeline_agrees
-from ..pipeline.schedule import PipelineSchedule, Step
+from ..pipeline.schedule import Schedule, Step
 
 # Name scopes of the two reductions in a traced step (tests check the stale one's inputs).
 STALE_SCOPE, SYNC_SCOPE = "pipesgd_stale_reduction", "pipesgd_sync_reduction"
 
 
-class GraphPipeline(tf.Module):
+class TracedEngine(tf.Module):
     """Width-K pipeline whose state is TensorFlow variables (saved by ``tf.train.Checkpoint``).
 
     ``check_ranks=False``: built where no collective may run (a worker joining a Horovod elastic
@@ -56,7 +56,7 @@ class GraphPipeline(tf.Module):
         super().__init__(name="pipesgd")
         self.specs = list(specs)
         self.comm, self.codec, self.config = comm, codec, config
-        self.schedule = PipelineSchedule(config)
+        self.schedule = Schedule(config)
         self.ops = TensorFlowOps()
         # Gradients arrive all at once in TensorFlow; reverse order still puts the output layer,
         # whose gradient the backward pass finishes first, in the first bucket.

@@ -1,8 +1,8 @@
 """A Keras optimizer's pipeline: the shared life cycle around TensorFlow's traced executor.
 
-:class:`KerasCore` is :class:`~pipesgd_hvd.optimizer.lifecycle.PipelineLifecycle` (name, auto mode,
+:class:`KerasCore` is :class:`~pipesgd_hvd.optimizer.lifecycle.Lifecycle` (name, auto mode,
 weight prediction, checkpoint entry, elastic) over a
-:class:`~pipesgd_hvd.tensorflow.pipeline.GraphPipeline`, plus the graph ops of one step: the
+:class:`~pipesgd_hvd.keras.traced_engine.TracedEngine`, plus the graph ops of one step: the
 replica check, the exchange, and weight prediction around the wrapped optimizer's update. The
 auto mode needs Python between steps: ``after_steps()`` runs it, called by pipesgd_hvd's Keras
 callbacks after each batch of ``model.fit`` (any of them) or by an eager ``apply_gradients``;
@@ -21,15 +21,15 @@ from ..comm.base import Communicator
 from ..compression.codecs import Codec
 from ..ops.tensorflow import TensorFlowOps
 from ..optimizer import checkpoint
-from ..optimizer.lifecycle import PipelineLifecycle
-from ..optimizer.options import PipelineOptions
+from ..optimizer.lifecycle import Lifecycle
+from ..optimizer.options import OptimizerOptions
 from ..pipeline.config import PipelineConfig
 from ..pipeline.engine import AppliedStep
 from ..pipeline.fusion import TensorSpec
 from ..staleness.correction import Call
 from ..staleness.prediction import AdamState
-from .guards import ReplicaCheck, StepProgress
-from .pipeline import GraphPipeline
+from .traced_guards import ReplicaCheck, StepProgress
+from .traced_engine import TracedEngine
 
 NO_DEADLINE = 2**62
 AUTO_DRIVER_MESSAGE = (
@@ -46,10 +46,10 @@ def variable_name(v: Any) -> str:
     return str(getattr(v, "path", None) or v.name)
 
 
-class KerasCore(PipelineLifecycle):
+class KerasCore(Lifecycle):
     """The pipeline of one Keras optimizer, built when the optimizer is built."""
 
-    def __init__(self, options: PipelineOptions, variables: Sequence[Any], comm: Communicator,
+    def __init__(self, options: OptimizerOptions, variables: Sequence[Any], comm: Communicator,
                  optimizer: Optional[Any] = None) -> None:
         """``optimizer``: the wrapped Keras optimizer (held weakly: it owns this core), whose
         moments ``staleness_correction="adam_prediction"`` reads."""
@@ -62,7 +62,7 @@ class KerasCore(PipelineLifecycle):
         with tf.init_scope(), self.progress.eager_step():
             super().__init__(options, [s.name for s in self.specs], comm, KerasSide(self.variables, optimizer))
         self.replicas = None if not options.check_replicas_every else \
-            ReplicaCheck(comm, self.graph.schedule, self.names, self.name)
+            ReplicaCheck(comm, self.engine.schedule, self.names, self.name)
         with tf.init_scope():
             # The auto mode's guard: a traced step past this index means nothing ran the checks.
             self.auto_deadline = tf.Variable(NO_DEADLINE if self.auto_controller is None else options.auto.measure_steps,
@@ -73,16 +73,12 @@ class KerasCore(PipelineLifecycle):
 
     def _track_correction(self) -> None:
         """The staleness correction's variables are checkpointed with the pipeline (tf.train.Checkpoint)."""
-        self.graph.correction_state = self.correction.state()
+        self.engine.correction_state = self.correction.state()
 
-    def build_pipeline(self, config: PipelineConfig, codec: Codec, *, first_step: int,
-                       check_ranks: bool) -> GraphPipeline:
-        return GraphPipeline(self.specs, comm=self.comm, codec=codec, config=config, first_step=first_step,
+    def build_engine(self, config: PipelineConfig, codec: Codec, *, first_step: int,
+                       check_ranks: bool) -> TracedEngine:
+        return TracedEngine(self.specs, comm=self.comm, codec=codec, config=config, first_step=first_step,
                              check_ranks=check_ranks)
-
-    @property
-    def graph(self) -> GraphPipeline:
-        return self.pipeline  # type: ignore[return-value]
 
     # --------------------------------------------------------------------------- the step
     def step(self, grads: List[Any], variables: List[Any], apply: ApplyFn) -> List[tf.Tensor]:
@@ -90,7 +86,7 @@ class KerasCore(PipelineLifecycle):
         optimizer's), with the staleness correction's moments around it, as in
         ``optimizer/core.py``. Traced, returns the tensors that exist once every collective of the
         step is done (for the watchdog); eagerly, it runs them."""
-        graph, correction = self.graph, self.correction
+        graph, correction = self.engine, self.correction
         if self.auto_controller is not None:
             tf.debugging.assert_less(graph.step_counter.read_value(), self.auto_deadline.read_value(),
                                      message=AUTO_DRIVER_MESSAGE)
@@ -133,7 +129,7 @@ class KerasCore(PipelineLifecycle):
         weights put back first, and a part of an update the correction kept as an update of its
         own. Returns how many steps."""
         with self.progress.eager_step():
-            pending = self.graph.flush()
+            pending = self.engine.flush()
             return self._apply_flushed(pending, apply, kept=True)
 
     def _apply_flushed(self, pending: Sequence[AppliedStep], apply: ApplyFn, kept: bool = False) -> int:
@@ -145,7 +141,7 @@ class KerasCore(PipelineLifecycle):
         count = len(pending)
         part = correction.pending() if kept else None
         if part is not None:  # every rank holds one: the pairs are in step
-            apply(self.graph.reduce_now(part), self.variables)
+            apply(self.engine.reduce_now(part), self.variables)
             count += 1
         correction.flushed()
         return count
@@ -156,20 +152,20 @@ class KerasCore(PipelineLifecycle):
         runs its check when due (collective; flushed gradients are applied through ``apply``).
         Returns True when the pipeline was rebuilt: traced step functions must be traced again."""
         controller = self.auto_controller
-        ended = self.graph.step
+        ended = self.engine.step
         if controller is None or ended <= self._driven_to:
             return False
         self._driven_to = ended
         seconds = float(self.progress.compute_seconds.numpy())
         if seconds >= 0:
             controller.record_compute(seconds)
-        before = self.graph
+        before = self.engine
         with self.progress.eager_step():
             flushed = controller.after_step(before, [])
         if flushed:
             self._apply_flushed(flushed, apply)
         self.auto_deadline.assign(NO_DEADLINE if controller.next_check is None else controller.next_check)
-        return self.graph is not before
+        return self.engine is not before
 
     # ------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> Dict[str, Any]:
@@ -184,7 +180,7 @@ class KerasCore(PipelineLifecycle):
         self.load_correction(entry)
 
     # -------------------------------------------------------------------- Horovod elastic
-    # Called by keras/elastic.py's KerasState; the rule is pipesgd_hvd/optimizer/elastic.py's. Each
+    # Called by keras/elastic.py's KerasState; the rule is pipesgd_hvd/optimizer/elastic_rule.py's. Each
     # replaces the pipeline: traced steps must be traced again (KerasState does it).
     def elastic_restore(self, entry: Optional[Dict[str, Any]]) -> None:
         """After a lost worker: back to the committed entry (``state_dict()``), no collective."""
@@ -199,7 +195,7 @@ class KerasCore(PipelineLifecycle):
         with self.progress.eager_step():
             self.elastic_sync(root_state, load_root_state)
         self.replicas = None if self.replicas is None else \
-            ReplicaCheck(self.comm, self.graph.schedule, self.names, self.name)
+            ReplicaCheck(self.comm, self.engine.schedule, self.names, self.name)
         self._replaced()
 
     def _replaced(self) -> None:
@@ -207,11 +203,11 @@ class KerasCore(PipelineLifecycle):
             listener()
 
     def close(self) -> None:
-        self.pipeline.close()
+        self.engine.close()
 
 
 class KerasSide:
-    """Keras's :class:`~pipesgd_hvd.optimizer.adapter.FrameworkSide`: the trainable variables and
+    """Keras's :class:`~pipesgd_hvd.optimizer.framework.FrameworkSide`: the trainable variables and
     the wrapped Keras optimizer (held weakly: it owns the core that holds this)."""
 
     def __init__(self, variables: Sequence[Any], optimizer: Optional[Any]) -> None:

@@ -1,4 +1,4 @@
-"""PyTorch's side of :class:`~pipesgd_hvd.optimizer.adapter.TrainingAdapter`: parameters, ``.grad``,
+"""PyTorch's side of :class:`~pipesgd_hvd.optimizer.framework.TrainingAdapter`: parameters, ``.grad``,
 hooks and the wrapped optimizer. Translation only; the policy is the core's."""
 from __future__ import annotations
 

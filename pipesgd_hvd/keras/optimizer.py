@@ -5,7 +5,7 @@ optimizer class, made on the fly with the same name and module (Horovod's Keras 
 forces the subclass: it serializes an optimizer by its class, so a model saved with it loads
 without pipesgd_hvd). The subclass overrides ``build`` (to create the pipeline) and ``apply``
 (to swap this step's local gradients for the averaged, one-step-stale ones); the update itself
-is the original class's. Translation only: the pipeline is :class:`~pipesgd_hvd.tensorflow.core.KerasCore`'s,
+is the original class's. Translation only: the pipeline is :class:`~pipesgd_hvd.keras.traced_step.KerasCore`'s,
 whose variables ``tf.train.Checkpoint`` tracks but ``optimizer.variables`` does not list (so
 ``.keras`` files stay loadable by plain Keras).
 """
@@ -17,13 +17,14 @@ import keras
 import tensorflow as tf
 
 from ..compression import Compression
-from ..optimizer.options import PipelineOptions
+from ..optimizer.options import OptimizerOptions
 from ..pipeline.config import WireStats
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 from ..staleness.formulas import DEFAULT_DC_LAMBDA
+from ..staleness.split_batch import DEFAULT_FRESH_FRACTION
 from ..staleness.choice import family_by_class
-from .core import KerasCore, variable_name
-from .pipeline import GraphPipeline
+from .traced_step import KerasCore, variable_name
+from .traced_engine import TracedEngine
 from .xla import calling_model, check_not_xla_compiled
 
 try:
@@ -35,9 +36,9 @@ except ImportError:  # pragma: no cover - exercised only without Horovod
 class _PipelinedOptimizer:
     """Methods mixed in front of the user's optimizer class (see :func:`DistributedOptimizer`)."""
 
-    _pipesgd_options: PipelineOptions
+    _pipesgd_options: OptimizerOptions
     _pipesgd_core: Optional[KerasCore]
-    _pipesgd: Optional[GraphPipeline]  # tracked, so tf.train.Checkpoint saves the pipeline's variables
+    _pipesgd: Optional[TracedEngine]  # tracked, so tf.train.Checkpoint saves the pipeline's variables
 
     def build(self, variables: Sequence[Any]) -> None:
         model = calling_model()  # fit() builds the optimizer: refuse an XLA-compiled step now, with the fix
@@ -51,8 +52,8 @@ class _PipelinedOptimizer:
             comm = HorovodTensorFlowCommunicator()
         core = KerasCore(self._pipesgd_options, list(variables), comm, optimizer=self)
         object.__setattr__(self, "_pipesgd_core", core)  # plain: Keras must not track it as state
-        self._pipesgd = core.graph
-        core.switched.append(lambda: setattr(self, "_pipesgd", core.graph))  # the auto mode's new one
+        self._pipesgd = core.engine
+        core.switched.append(lambda: setattr(self, "_pipesgd", core.engine))  # the auto mode's new one
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
         grads = list(grads)
@@ -121,7 +122,8 @@ class _PipelinedOptimizer:
         return WireStats() if self._pipesgd_core is None else self._pipesgd_core.stats
 
     @property
-    def pipeline(self) -> Optional[GraphPipeline]:
+    def engine(self) -> Optional[TracedEngine]:
+        """The pipeline engine inside the traced step (rebuilt by the auto mode and elastic)."""
         return self._pipesgd
 
     @property
@@ -178,7 +180,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          scale_local_gradients: bool = True, *, width: Any = 2, warmup_steps: int = 0,
                          fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD / 2**20, seed: int = 0,
                          communicator: Any = None, staleness_correction: Any = False,
-                         dc_lambda: float = DEFAULT_DC_LAMBDA, check_replicas_every: Optional[int] = None,
+                         dc_lambda: float = DEFAULT_DC_LAMBDA, fresh_fraction: float = DEFAULT_FRESH_FRACTION,
+                         check_replicas_every: Optional[int] = None,
                          auto_measure_steps: int = 10,
                          auto_recheck_every: Optional[int] = 500) -> Any:
     """Wraps a Keras 3 optimizer so that gradients are averaged across ranks, pipelined.
@@ -193,7 +196,9 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
 
     Ours, keyword-only, as for PyTorch (``docs/options.md``): ``width`` (2 = Pipe-SGD, 1 =
     synchronous, or ``"auto"``), ``warmup_steps``, ``fusion_threshold_mb``, ``seed``,
-    ``communicator``, ``staleness_correction`` (and ``dc_lambda``), ``check_replicas_every``, ``auto_measure_steps``,
+    ``communicator``, ``staleness_correction`` (and ``dc_lambda``, ``fresh_fraction``; with ``"split_batch"``, the
+    accurate mode, two calls make one update: halve ``fit``'s ``batch_size``), ``check_replicas_every``,
+    ``auto_measure_steps``,
     ``auto_recheck_every``. With ``"auto"`` in ``model.fit``, keep one of pipesgd_hvd's Keras
     callbacks in the list (e.g. ``PipelineFlushCallback()``): they run its checks between steps.
 
@@ -208,13 +213,14 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                         f"{type(optimizer).__name__}; for legacy tf.keras optimizers use horovod.tensorflow.keras")
     if isinstance(optimizer, _PipelinedOptimizer):
         raise TypeError("optimizer is already a pipesgd_hvd DistributedOptimizer")
-    options = PipelineOptions.from_arguments(
+    options = OptimizerOptions.from_arguments(
         width=width, compression=compression, warmup_steps=warmup_steps, fusion_threshold_mb=fusion_threshold_mb,
         op=op, gradient_predivide_factor=gradient_predivide_factor, seed=seed,
         check_replicas_every=check_replicas_every, staleness_correction=staleness_correction,
-        dc_lambda=dc_lambda, backward_passes_per_step=backward_passes_per_step, auto_measure_steps=auto_measure_steps,
-        auto_recheck_every=auto_recheck_every, communicator=communicator, process_set=process_set, hvd=_hvd,
-        optimizer_family=optimizer_family(optimizer))
+        dc_lambda=dc_lambda, fresh_fraction=fresh_fraction, backward_passes_per_step=backward_passes_per_step,
+        auto_measure_steps=auto_measure_steps, auto_recheck_every=auto_recheck_every, communicator=communicator,
+        process_set=process_set, hvd=_hvd, optimizer_family=optimizer_family(optimizer),
+        optimizer_name=type(optimizer).__name__)
     if options.backward_passes_per_step > 1:
         raise ValueError("backward_passes_per_step > 1 is not supported for Keras: set Keras's own "
                          "gradient_accumulation_steps=N on the optimizer you wrap instead")

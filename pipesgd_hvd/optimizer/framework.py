@@ -2,10 +2,10 @@
 
 * :class:`FrameworkSide`: what the pipeline's life cycle (``optimizer/lifecycle.py``) needs of any
   framework, eager or traced: the tensors it trains and its wrapped optimizer's state, for the
-  staleness corrections. Keras's is ``tensorflow/core.py``'s ``KerasSide``.
+  staleness corrections. Keras's is ``keras/traced_step.py``'s ``KerasSide``.
 * :class:`TrainingAdapter`: that, plus what the per-step policy (``optimizer/core.py``) needs of a
   framework whose training step runs in Python: gradients, hooks, the update. PyTorch's is
-  ``torch/adapter.py``.
+  ``torch/tensors.py``.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from ..comm.base import Communicator, default_timeout, exit_if_stuck
 from ..pipeline.guards import StepWatchdog, raise_if_replicas_differ
-from ..pipeline.schedule import PipelineSchedule
+from ..pipeline.schedule import Schedule
 
 # How a Keras user re-syncs every rank's weights from rank 0 (ends the drift message).
 KERAS_RESYNC = "pipesgd_hvd.keras.broadcast_global_variables(0, model=model)"
@@ -52,7 +52,7 @@ class ReplicaCheck:
     holds ``ReplicaDriftError: replicas differ at step ...``; eagerly the error is raised as itself.
     """
 
-    def __init__(self, comm: Communicator, schedule: PipelineSchedule, names: Sequence[str],
+    def __init__(self, comm: Communicator, schedule: Schedule, names: Sequence[str],
                  pipeline_name: str) -> None:
         self.comm, self.schedule, self.names = comm, schedule, list(names)
         self._op_name = f"{pipeline_name}.replicas"  # the same on every rank (agreed at construction)
