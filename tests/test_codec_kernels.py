@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.ops.numpy import NumpyOps
 from pipesgd_hvd.ops.torch import TorchOps
+from pipesgd_hvd.testing import LocalWorld
 from codec_checks import assert_same_floats, comparable_bytes
 from threads import run_threads
 

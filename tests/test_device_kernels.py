@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fake_cuda import FakeCuda
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Quantize, Truncate, device_kernels, kernels, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.ops.torch import TorchOps
+from pipesgd_hvd.testing import LocalWorld
 from threads import run_threads
 
 REFERENCE = TorchOps(fused=False)
