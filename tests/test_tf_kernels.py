@@ -6,7 +6,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from pipesgd_hvd.compression import Cast, ErrorFeedback, Quantize, Truncate, kernels  # noqa: E402
-from pipesgd_hvd.compression import tf_kernels  # noqa: E402
+from pipesgd_hvd.compression import host_kernels, tf_kernels  # noqa: E402
 from pipesgd_hvd.compression.allreduce import compressed_allreduce  # noqa: E402
 from pipesgd_hvd.ops.seeds import Seed  # noqa: E402
 from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
@@ -102,8 +102,8 @@ class CountingKernels:
 
 @pytest.fixture
 def counted(monkeypatch):
-    counter = CountingKernels(kernels._native)
-    monkeypatch.setattr(kernels, "_native", counter)
+    counter = CountingKernels(host_kernels._native)
+    monkeypatch.setattr(host_kernels, "_native", counter)
     return counter
 
 

@@ -76,7 +76,7 @@ class TensorOps(Protocol):
         """A host numpy array (zero-copy where the framework allows)."""
     def from_numpy(self, a: Any, like: Optional[Tensor] = None) -> Tensor: ...
     def kernel_address(self, x: Tensor) -> Optional[int]:
-        """Address of ``x``'s first element when the fused host kernels (compression/kernels.py)
+        """Address of ``x``'s first element when the fused host kernels (compression/host_kernels.py)
         may read it (and write it, if the codec owns it: outputs, residuals): a C-contiguous
         tensor in host memory of a table that also has :meth:`MutableTensorOps.empty`. None
         otherwise (GPU and graph tensors, a table built with ``fused=False``): the codecs then
