@@ -339,7 +339,7 @@ class RankBench:
         each in a buffer with the engine's room (one call on the whole gradient missed a fixed cost per
         bucket and each transfer's burst on the shaped links: at 130mbit the pipelined fp16 step was 546
         ms against 647 ms). Returns the bytes this rank sent to other hosts, counted per collective."""
-        from pipesgd_hvd.comm.counting import CountingComm
+        from pipesgd_hvd.testing import CountingComm
         from pipesgd_hvd.comm.topology import Topology
         from pipesgd_hvd.compression.allreduce import compressed_allreduce
         from pipesgd_hvd.compression.hierarchical import hierarchical_allreduce

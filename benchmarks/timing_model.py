@@ -1,4 +1,4 @@
-"""The Pipe-SGD timing model (shared/PAPER.md) as an analysis tool: predictions, least-squares fits
+"""The Pipe-SGD timing model (Li et al., NeurIPS 2018) as an analysis tool: predictions, least-squares fits
 to measurements, a plot and a CLI. The terms the auto rule uses live in ``pipesgd_hvd.auto.model``.
 
 N workers, M gradient bytes (float32), B link bandwidth (bytes/s), alpha latency per message (s),
@@ -11,7 +11,7 @@ compute per iteration (forward, backward and the optimizer update)::
     all-reduce sync   T (l_comp + (1-h) l_AR)          h: share of l_AR hidden in the backward pass
     pipelined, K >= 2 T max(l_comp, l_AR') + (K-1) l_AR'   (the pipeline fill; K = 1 is sync)
 
-PAPER.md writes the compressed bandwidth term as M/(r B) with r a compression *factor*; here r is
+The paper writes the compressed bandwidth term as M/(r B) with r a compression *factor*; here r is
 the wire/float32 *ratio* (0.252 for int8), hence r M / B. Example (what speed-up to expect)::
 
     python -m benchmarks.timing_model --workers 4 --model-mb 100 --bandwidth-gbit 10 --compute-ms 150

@@ -8,7 +8,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import pipesgd_hvd.keras as psgd  # noqa: E402
-from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
+from pipesgd_hvd.testing import LocalWorld  # noqa: E402
 from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
 from test_staleness_corrections_keras import batches, gradients, make_model  # noqa: E402
 from threads import run_threads  # noqa: E402

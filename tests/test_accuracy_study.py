@@ -11,8 +11,8 @@ import torch
 
 from benchmarks.accuracy import optimizers, problems, report, summary, worker
 from benchmarks.accuracy.tasks import CONFIGS, TASKS, WARMUP_FRACTION, configs_for, lr_factor
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.ops.torch import TORCH_OPS
+from pipesgd_hvd.testing import LocalWorld
 
 
 def local() -> object:

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import pipesgd_hvd.torch as psgd
-from pipesgd_hvd.auto.rule import Measurements, decide_fixed
 from pipesgd_hvd.auto.controller import AutoController, AutoSettings, TimingProbe
-from pipesgd_hvd.comm.local import LocalWorld
+from pipesgd_hvd.auto.rule import Measurements, decide_fixed
 from pipesgd_hvd.compression import resolve_compression
-from pipesgd_hvd.pipeline.engine import AppliedStep
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
-from pipesgd_hvd.pipeline.fusion import TensorSpec
 from pipesgd_hvd.ops.torch import TORCH_OPS
+from pipesgd_hvd.pipeline.engine import AppliedStep
+from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.testing import LocalWorld
 from reference import loss_fn, make_batches, make_model, mean_gradient
 from scripted_timing import FakeClock, ScriptedProbe
 from threads import run_threads

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from fake_cuda import FakeCuda
 from fake_nccl import NcclLikeFactory
 from pipesgd_hvd.comm.base import PeerLostError, ReduceOp
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.comm.ordered import OrderedCommunicator
 from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
 from pipesgd_hvd.compression import resolve_compression
@@ -28,6 +27,7 @@ from pipesgd_hvd.ops.torch import TorchOps
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
 from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.testing import LocalWorld
 from threads import run_threads
 
 CODECS = ["none", "fp16", "bf16", "truncate16", "int8", "int4"]

@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipesgd_hvd.comm.base import ReduceOp
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Codec, Compression, ErrorFeedback, NoneCodec, Quantize, Truncate
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.ops.torch import TORCH_OPS
+from pipesgd_hvd.testing import LocalWorld
 from threads import run_threads
 
 # Examples per run are sized for CI (the file takes a few seconds); PIPESGD_FUZZ_SCALE=20 digs deeper.

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, kernels
+from pipesgd_hvd.compression import Cast, Codec, ErrorFeedback, Quantize, Truncate, host_kernels, kernels
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.ops.numpy import NumpyOps
 from pipesgd_hvd.ops.torch import TorchOps
+from pipesgd_hvd.testing import LocalWorld
 from codec_checks import assert_same_floats, comparable_bytes
 from threads import run_threads
 
@@ -196,14 +196,14 @@ def test_compressed_allreduce_fused_equals_reference_on_every_rank(name):
 
 def test_compressed_allreduce_on_torch_cpu_runs_the_kernels(monkeypatch):
     calls: Dict[str, int] = {}
-    native = kernels._native
+    native = host_kernels._native
 
     class Counting:
         def __getattr__(self, attr):
             calls[attr] = calls.get(attr, 0) + 1
             return getattr(native, attr)
 
-    monkeypatch.setattr(kernels, "_native", Counting())
+    monkeypatch.setattr(host_kernels, "_native", Counting())
     ops = TorchOps()
     world = LocalWorld(1, ops)
     x = torch.randn(5000)
@@ -275,7 +275,7 @@ def test_float16_portable_conversion_equals_f16c_and_the_reference():
 
 
 def test_without_the_kernels_codecs_warn_and_run_the_reference(monkeypatch):
-    monkeypatch.setattr(kernels, "_native", None)
+    monkeypatch.setattr(host_kernels, "_native", None)
     x = torch.from_numpy(make_rows(2, 1024, 512, seed=4, special=False))
     with pytest.warns(RuntimeWarning, match="fused codec kernels are not"):
         payload, ctx = Quantize(8).encode(TorchOps(), x, key="k", seed=0)

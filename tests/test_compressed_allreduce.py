@@ -7,11 +7,11 @@ import torch
 
 from allreduce_reference import decoded_sum_reference
 from pipesgd_hvd.comm.base import ReduceOp
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import allreduce_wire_bytes, compressed_allreduce, padded_numel, reduce_bucket
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.ops.seeds import Seed
+from pipesgd_hvd.testing import LocalWorld
 from counting_ops import CountingOps
 from threads import run_threads
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fake_cuda import FakeCuda
-from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.compression import Quantize, Truncate, device_kernels, kernels, resolve_compression
+from pipesgd_hvd.compression import Quantize, Truncate, device_kernels, host_kernels, kernels, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.ops.torch import TorchOps
+from pipesgd_hvd.testing import LocalWorld
 from threads import run_threads
 
 REFERENCE = TorchOps(fused=False)
@@ -101,7 +101,7 @@ def test_without_triton_device_tensors_run_the_reference_not_the_host_kernels(mo
         def __getattr__(self, name):
             raise AssertionError(f"host kernel {name} called for a device tensor")
 
-    monkeypatch.setattr(kernels, "_native", NoHostKernels())
+    monkeypatch.setattr(host_kernels, "_native", NoHostKernels())
     try:
         assert device_kernels.load("cuda") is None
         ops = TorchOps(cuda=FakeCuda())

@@ -15,8 +15,8 @@ import torch
 import pipesgd_hvd.torch as psgd
 from launcher import HOROVODRUN_CHECKED, TESTS, run_command
 from pipesgd_hvd.optimizer import elastic_rule as elastic
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.ops.torch import TORCH_OPS
+from pipesgd_hvd.testing import LocalWorld
 from threads import run_threads
 
 

@@ -21,13 +21,13 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 import pipesgd_hvd.keras as hvd  # noqa: E402
 from launcher import HOROVODRUN_CHECKED, TESTS, run_command  # noqa: E402
 from pipesgd_hvd.comm.base import PeerLostError  # noqa: E402
-from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
-from pipesgd_hvd.pipeline.config import PipelineConfig  # noqa: E402
 from pipesgd_hvd.compression import resolve_compression  # noqa: E402
 from pipesgd_hvd.keras.elastic import lost_world, raise_lost_world_as_internal_error  # noqa: E402
 from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
 from pipesgd_hvd.keras.traced_engine import TracedEngine  # noqa: E402
+from pipesgd_hvd.pipeline.config import PipelineConfig  # noqa: E402
 from pipesgd_hvd.pipeline.fusion import TensorSpec  # noqa: E402
+from pipesgd_hvd.testing import LocalWorld  # noqa: E402
 from test_elastic import third_local_name  # noqa: E402
 from threads import run_threads  # noqa: E402
 

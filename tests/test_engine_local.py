@@ -6,8 +6,8 @@ from dataclasses import replace
 import torch
 
 import pipesgd_hvd.torch as psgd
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.ops.torch import TORCH_OPS
+from pipesgd_hvd.testing import LocalWorld
 from reference import loss_fn, make_batches, make_model, reference_sgd
 from threads import run_threads
 

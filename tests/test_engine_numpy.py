@@ -12,15 +12,15 @@ import pickle
 import numpy as np
 import pytest
 
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce, side_region
-from pipesgd_hvd.pipeline.config import PipelineConfig
+from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.optimizer.core import OptimizerCore
 from pipesgd_hvd.optimizer.options import OptimizerOptions
+from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
-from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.testing import LocalWorld
 from counting_ops import CountingOps
 from threads import run_threads
 

@@ -15,14 +15,14 @@ import torch
 
 import pipesgd_hvd.torch as psgd
 from launcher import rank_env, ROOT
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Compression, resolve_compression
+from pipesgd_hvd.ops.torch import TORCH_OPS
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
+from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.testing import LocalWorld
 from pipesgd_hvd.torch.tensors import TorchAdapter
 from pipesgd_hvd.torch.fingerprint import fingerprint
-from pipesgd_hvd.ops.torch import TORCH_OPS
-from pipesgd_hvd.pipeline.fusion import TensorSpec
 from reference import loss_fn, make_batches, make_model
 
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from allreduce_reference import decoded_sum_reference, hierarchical_reference
-from pipesgd_hvd.comm.counting import CountingComm
 from pipesgd_hvd.comm.base import ReduceOp
-from pipesgd_hvd.comm.topology import LocalCluster, NodeLayout, Topology, layout_problem
+from pipesgd_hvd.comm.topology import NodeLayout, Topology, layout_problem
 from pipesgd_hvd.compression import Compression, resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce, padded_numel
 from pipesgd_hvd.compression.hierarchical import hierarchical_allreduce
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
+from pipesgd_hvd.testing import CountingComm, LocalCluster
 from threads import run_rank_threads
 
 CODECS = ["fp16", "bf16", "truncate16", "int8", "int4"]
@@ -108,7 +108,7 @@ def test_sum_and_a_non_float32_bucket():
 @pytest.mark.parametrize("name", ["int8", "int4", "bf16"])
 @pytest.mark.parametrize("hosts,per_host", [(2, 2), (2, 4), (3, 2)])
 def test_cross_host_bytes_shrink_by_the_ranks_per_host(name, hosts, per_host):
-    """Counted per collective (pipesgd_hvd/comm/counting.py): the flat reduction over all ranks, and the
+    """Counted per collective (pipesgd_hvd/testing/counting.py): the flat reduction over all ranks, and the
     hierarchical one's cross-node group (all of its traffic crosses hosts) and node group (none)."""
     n = 1 << 16
     size = hosts * per_host

@@ -8,10 +8,10 @@ from pipesgd_hvd.auto.controller import AutoController, AutoSettings, TimingProb
 from pipesgd_hvd.auto.model import (CODECS, LinkParams, compressed_allreduce_time, flat_on_nodes_time,
                                     hierarchical_allreduce_time)
 from pipesgd_hvd.auto.rule import CANDIDATES, Measurements, decide, decide_fixed, with_hierarchical
-from pipesgd_hvd.comm.topology import LocalCluster
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.pipeline.engine import AppliedStep
 from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.testing import LocalCluster
 from scripted_timing import FakeClock
 from threads import run_rank_threads
 

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 from allreduce_reference import hierarchical_reference
-from pipesgd_hvd.comm.topology import LocalCluster
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import side_region
 from pipesgd_hvd.ops.numpy import NUMPY_OPS
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
 from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.testing import LocalCluster
 from threads import run_rank_threads
 
 # Buckets of uneven sizes (threshold 4 KiB): 1200, 7, 3001 and 513 + 64 values.

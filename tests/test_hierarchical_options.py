@@ -9,10 +9,11 @@ import torch
 
 import pipesgd_hvd.torch as psgd
 from allreduce_reference import hierarchical_reference
-from pipesgd_hvd.comm.topology import LocalCluster, resolve_topology
+from pipesgd_hvd.comm.topology import resolve_topology
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import side_region
 from pipesgd_hvd.ops.torch import TORCH_OPS
+from pipesgd_hvd.testing import LocalCluster
 from reference import loss_fn, make_batches, make_model
 from threads import run_rank_threads
 
@@ -135,7 +136,7 @@ def test_hosts_of_different_sizes(monkeypatch, choice):
     """Hosts a:2, b:1 (Horovod's numbers for them), on a stand-in for the channel: True raises on
     every rank, naming the fix; None stays flat on every rank (each decides from everyone's layout)."""
     from pipesgd_hvd.comm import topology
-    from pipesgd_hvd.comm.local import LocalWorld
+    from pipesgd_hvd.testing import LocalWorld
     from pipesgd_hvd.comm.topology import NodeLayout
     from threads import run_threads
 
@@ -172,7 +173,7 @@ def test_ranks_set_up_differently_issue_the_same_collectives(monkeypatch, choice
     """Each rank gathers once whatever its own settings are, so none waits for a group only
     some of them build (the reliability test of mismatched settings hung here before)."""
     from pipesgd_hvd.comm import topology
-    from pipesgd_hvd.comm.local import LocalWorld
+    from pipesgd_hvd.testing import LocalWorld
     from pipesgd_hvd.comm.topology import NodeLayout
     from threads import run_threads
 

@@ -126,7 +126,7 @@ def test_a_width_2_optimizers_buffers_residuals_and_copies_are_found_where_they_
     """Two in-process ranks, width 2 + int8 (error feedback), AdamW; with the accurate mode too. A
     rename of the pipeline's attributes that hides a buffer from the walk fails here."""
     import pipesgd_hvd.torch as psgd
-    from pipesgd_hvd.comm.local import LocalWorld
+    from pipesgd_hvd.testing import LocalWorld
     from pipesgd_hvd.ops.torch import TORCH_OPS
     from threads import run_threads
 

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 import pipesgd_hvd.torch as psgd
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.comm.ordered import OrderedCommunicator, shared_communicator
 from pipesgd_hvd.comm.torch_default import default_communicator
 from pipesgd_hvd.compression import resolve_compression
@@ -22,6 +21,7 @@ from pipesgd_hvd.ops.torch import TORCH_OPS
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
 from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.testing import LocalWorld
 from reference import loss_fn, make_batches, make_model
 from threads import run_threads
 

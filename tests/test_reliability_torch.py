@@ -15,10 +15,10 @@ import torch
 import pipesgd_hvd.torch as psgd
 from launcher import run_ranks
 from pipesgd_hvd.comm.base import DEFAULT_TIMEOUT_S, PeerLostError, default_timeout
-from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.torch import checks as torch_checks
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from pipesgd_hvd.pipeline.guards import ReplicaDriftError, StepCountMismatchError
+from pipesgd_hvd.testing import LocalWorld
+from pipesgd_hvd.torch import checks as torch_checks
 from reference import loss_fn, make_batches, make_model
 from threads import run_threads
 

@@ -8,8 +8,8 @@ import torch
 
 import pipesgd_hvd.torch as psgd
 from pipesgd_hvd.auto.rule import Measurements, decide_fixed, pipelined_step
-from pipesgd_hvd.comm.local import LocalWorld
-from pipesgd_hvd.comm.topology import LocalCluster
+from pipesgd_hvd.testing import LocalWorld
+from pipesgd_hvd.testing import LocalCluster
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from reference import loss_fn, make_batches, make_model
 from scripted_timing import FakeClock, ScriptedProbe

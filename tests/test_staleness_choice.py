@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import pipesgd_hvd.torch as psgd
-from pipesgd_hvd.comm.local import LocalWorld
+from pipesgd_hvd.testing import LocalWorld
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from pipesgd_hvd.staleness import choice
-from pipesgd_hvd.staleness.correction import correction_class
+from pipesgd_hvd.staleness.registry import correction_class
 from pipesgd_hvd.torch.checks import optimizer_family
 from reference import make_model
 

@@ -8,8 +8,8 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import pipesgd_hvd.keras as psgd  # noqa: E402
-from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
+from pipesgd_hvd.testing import LocalWorld  # noqa: E402
 from threads import run_threads  # noqa: E402
 
 STEPS, LAM = 6, 0.5

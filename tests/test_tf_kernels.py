@@ -5,12 +5,12 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.compression import Cast, ErrorFeedback, Quantize, Truncate, kernels  # noqa: E402
+from pipesgd_hvd.compression import host_kernels, tf_kernels  # noqa: E402
 from pipesgd_hvd.compression.allreduce import compressed_allreduce  # noqa: E402
-from pipesgd_hvd.compression import tf_kernels  # noqa: E402
-from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
 from pipesgd_hvd.ops.seeds import Seed  # noqa: E402
+from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
+from pipesgd_hvd.testing import LocalWorld  # noqa: E402
 from codec_checks import assert_same_floats, comparable_bytes  # noqa: E402
 from threads import run_threads  # noqa: E402
 
@@ -102,8 +102,8 @@ class CountingKernels:
 
 @pytest.fixture
 def counted(monkeypatch):
-    counter = CountingKernels(kernels._native)
-    monkeypatch.setattr(kernels, "_native", counter)
+    counter = CountingKernels(host_kernels._native)
+    monkeypatch.setattr(host_kernels, "_native", counter)
     return counter
 
 

@@ -4,12 +4,12 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.compression import resolve_compression  # noqa: E402
 from pipesgd_hvd.compression.allreduce import compressed_allreduce  # noqa: E402
 from pipesgd_hvd.ops.numpy import NUMPY_OPS  # noqa: E402
-from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
 from pipesgd_hvd.ops.seeds import Seed  # noqa: E402
+from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
+from pipesgd_hvd.testing import LocalWorld  # noqa: E402
 from threads import run_threads  # noqa: E402
 from test_codecs import CODECS, INPUTS, roundtrip  # noqa: E402
 

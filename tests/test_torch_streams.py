@@ -11,12 +11,12 @@ import torch
 
 from fake_cuda import FakeCuda
 from pipesgd_hvd.auto.controller import TimingProbe
-from pipesgd_hvd.comm.local import LocalWorld
 from pipesgd_hvd.compression import Compression, resolve_compression
+from pipesgd_hvd.ops.torch import TORCH_OPS, TorchOps
 from pipesgd_hvd.pipeline.config import PipelineConfig
 from pipesgd_hvd.pipeline.engine import PipelineEngine
-from pipesgd_hvd.ops.torch import TORCH_OPS, TorchOps
 from pipesgd_hvd.pipeline.fusion import TensorSpec
+from pipesgd_hvd.testing import LocalWorld
 from threads import run_threads
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, List
 
-from pipesgd_hvd.comm.local import LocalCommunicator, LocalWorld
+from pipesgd_hvd.testing import LocalCommunicator, LocalWorld
 
 
 def run_rank_threads(size: int, fn: Callable[[int], Any], timeout: float = 60) -> List[Any]:

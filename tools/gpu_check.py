@@ -54,9 +54,9 @@ import torch  # noqa: E402
 import pipesgd_hvd.torch as psgd  # noqa: E402
 from tools.gpu_check_channel import section_g  # noqa: E402
 from tools.gpu_check_ranks import CODECS, batch, make_model, train  # noqa: E402
-from pipesgd_hvd.comm.local import LocalWorld  # noqa: E402
 from pipesgd_hvd.compression import Quantize, resolve_compression  # noqa: E402
 from pipesgd_hvd.ops.torch import TORCH_OPS, TorchOps  # noqa: E402
+from pipesgd_hvd.testing import LocalWorld  # noqa: E402
 
 REFERENCE = TorchOps(fused=False)  # the codecs' tensor-op composition, on the CPU
 

@@ -1,5 +1,5 @@
-"""The Pipe-SGD timing model's terms the auto rule uses (shared/PAPER.md): the link, the codecs,
-a compressed all-reduce and a synchronous step.
+"""The Pipe-SGD timing model's terms the auto rule uses (Li et al., NeurIPS 2018, the README's
+reference): the link, the codecs, a compressed all-reduce and a synchronous step.
 
 Alpha-beta form. N workers, M gradient bytes (float32), B link bandwidth (bytes/s), alpha latency
 per message (s), gamma reduction cost (s/byte), c codec cost (s/byte, encode + decode per phase),

@@ -6,7 +6,7 @@ The order, first match wins:
 2. ``HOROVOD_GLOO_IFACE``: the interface ``horovodrun --gloo`` chose for Horovod's own traffic;
 3. every rank on one host (Horovod's local size equals its size): ``127.0.0.1``;
 4. the address of the machine's host name, which is also what Horovod 0.28's Gloo context binds
-   to for process sets (shared/CLUSTER.md); on a cluster whose host names resolve to loopback
+   to for process sets (tools/cluster/README.md); on a cluster whose host names resolve to loopback
    this fails with an error that names ``PIPESGD_CHANNEL_IFACE``.
 """
 from __future__ import annotations

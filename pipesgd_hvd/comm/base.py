@@ -61,7 +61,8 @@ class Communicator(Protocol):
 
     ``allreduce_async_(x, name, op, prescale, postscale)`` computes, in place,
     ``postscale' * sum_r(prescale * x_r)`` where ``postscale' = postscale / size`` for AVERAGE
-    (Horovod's definition, so that width 1 matches ``horovod.torch.DistributedOptimizer`` bit for bit).
+    (Horovod's definition, so that width 1 averages as ``horovod.torch.DistributedOptimizer`` does; the
+    order of the sum is the transport's, docs/options.md "Width 1 and Horovod's optimizer").
     ``alltoall_async(x, name)``: ``x`` has ``size`` rows; row j goes to rank j; the result's row j
     came from rank j. ``allgather_async(x, name)``: ``x`` has one row; the result has ``size`` rows.
     """

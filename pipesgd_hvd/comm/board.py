@@ -108,7 +108,7 @@ def board_store(store: Any, timeout_s: float = 5.0) -> Any:
 
 
 class MemoryBoard:
-    """The board of in-process ranks (:class:`~pipesgd_hvd.comm.local.LocalWorld`). Entries go
+    """The board of in-process ranks (:class:`~pipesgd_hvd.testing.LocalWorld`). Entries go
     through JSON, as on the store, so what the tests publish is what crosses processes."""
 
     process_exit = False

@@ -9,7 +9,7 @@ nodes on the second.
 
 Built for the pipeline's own channel (:func:`channel_topology`: two more channels on the same
 store, each with its own Gloo groups, so their collectives never interleave with the parent's),
-for in-process ranks (:class:`LocalCluster`, tests), or by hand over any transport
+for in-process ranks (:class:`pipesgd_hvd.testing.LocalCluster`), or by hand over any transport
 (``Topology(layout, local=..., cross=...)``, passed as ``hierarchical=``).
 :func:`resolve_topology` turns the optimizer's ``hierarchical`` argument into one, or None.
 """
@@ -19,9 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from ..ops.base import MutableTensorOps
 from .base import Communicator
-from .local import LocalWorld
 
 
 @dataclass(frozen=True)
@@ -125,30 +123,6 @@ def channel_topology(channel: Any, layout: NodeLayout, name: str) -> Topology:
     return Topology(layout, local, cross)
 
 
-class LocalCluster:
-    """``hosts`` x ``per_host`` in-process ranks (threads): a :class:`LocalWorld` over all of
-    them and one per node and per local rank for the groups. Rank ``r`` is local rank
-    ``r % per_host`` on host ``r // per_host``, as Horovod numbers ranks host by host."""
-
-    def __init__(self, hosts: int, per_host: int, ops: MutableTensorOps, timeout: float = 60.0) -> None:
-        self.hosts, self.per_host = hosts, per_host
-        self.world = LocalWorld(hosts * per_host, ops, timeout)
-        self._nodes = [LocalWorld(per_host, ops, timeout) for _ in range(hosts)]
-        self._crosses = [LocalWorld(hosts, ops, timeout) for _ in range(per_host)]
-
-    @property
-    def size(self) -> int:
-        return self.world.size
-
-    def layout(self, rank: int) -> NodeLayout:
-        return NodeLayout(rank % self.per_host, self.per_host, rank // self.per_host, self.hosts)
-
-    def topology(self, rank: int) -> Topology:
-        lay = self.layout(rank)
-        return Topology(lay, self._nodes[lay.cross_rank].communicator(lay.local_rank),
-                        self._crosses[lay.local_rank].communicator(lay.cross_rank))
-
-
 def resolve_topology(choice: Any, comm: Communicator, *, name: str = "psgd.topology",
                      settings: Any = None, wanted: bool = True) -> Optional[Topology]:
     """The groups the optimizer's ``hierarchical`` argument asks for, or None (flat reductions).
@@ -233,4 +207,4 @@ def _horovod_layout(required: Any) -> Optional[NodeLayout]:
     return None
 
 
-__all__ = ["LocalCluster", "NodeLayout", "Topology", "channel_topology", "layout_problem", "resolve_topology"]
+__all__ = ["NodeLayout", "Topology", "channel_topology", "layout_problem", "resolve_topology"]

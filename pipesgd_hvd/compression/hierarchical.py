@@ -1,5 +1,5 @@
-"""The hierarchical compressed all-reduce, for nodes of several GPUs (DESIGN.md, "Hierarchical
-compression"): compress only where the bytes are slow, between nodes.
+"""The hierarchical compressed all-reduce, for nodes of several GPUs (docs/options.md, "Multi-GPU
+nodes: `hierarchical`"): compress only where the bytes are slow, between nodes.
 
 Over a :class:`~pipesgd_hvd.comm.topology.Topology` of C nodes of L ranks each (N = L C):
 

@@ -4,8 +4,8 @@ Inside ``tf.function`` a tensor has no address, so ``kernel_address`` cannot off
 kernels, and the codecs' tensor-op composition makes a dozen passes over a bucket (12-45 plain
 copies per encode+decode, docs/benchmarks.md "codec_speed"). Here each kernel call becomes one
 ``tf.numpy_function``: TensorFlow hands the function numpy views of its CPU buffers (no copy), the
-function runs ``compression/kernels.py`` with the numpy table, and the kernels release the GIL
-while they run. Shapes are static (``kernels.row_bytes``), so the traced graph keeps its shapes.
+function runs ``compression/host_kernels.py`` with the numpy table, and the kernels release the GIL
+while they run. Shapes are static (``host_kernels.row_bytes``), so the traced graph keeps its shapes.
 
 This module has the interface of the device kernels (``compression/triton_kernels.py``) that
 ``device_kernels.load("tensorflow")`` returns, for the float32 and uint8 tensors that
@@ -25,10 +25,10 @@ import tensorflow as tf
 
 from ..ops.base import Shape
 from ..ops.numpy import NumpyOps
-from . import kernels
-from .kernels import Kind
+from . import host_kernels
+from .host_kernels import Kind
 
-# The cast layouts here: all the host kernels have (kernels._DEVICE_CAST_LAYOUTS names them).
+# The cast layouts here: all the host kernels have (kernels.py's _DEVICE_CAST_LAYOUTS names them).
 CAST_KINDS = {"fp16": Kind.FP16, "bf16": Kind.BF16, "truncate16": Kind.TRUNC16, "truncate24": Kind.TRUNC24}
 # TensorFlow wraps a numpy_function's output without a copy only if its data is aligned to
 # EIGEN_MAX_ALIGN_BYTES (64 at most); a large numpy array sits 16 bytes past a page (malloc's header).
@@ -80,7 +80,7 @@ def _run(fn: Callable[..., List[np.ndarray]], inputs: Sequence[Any], outputs: Se
 
 
 def _fused(result: Optional[Any], what: str) -> Any:
-    # kernels.py declines only tensors of the wrong dtype, shape or alignment; these are TensorFlow
+    # host_kernels.py declines only tensors of the wrong dtype, shape or alignment; these are TensorFlow
     # CPU buffers of the shapes set above, so a None is a bug here, not a case for the reference.
     if result is None:
         raise RuntimeError(f"pipesgd_hvd: the host kernels declined {what} for a TensorFlow CPU tensor")
@@ -89,7 +89,7 @@ def _fused(result: Optional[Any], what: str) -> Any:
 
 def quantize_encode(x: Any, *, width: int, bits: int, noise: Optional[Any] = None, residual: Optional[Any] = None,
                     error_feedback: bool = False) -> Tuple[tf.Tensor, Optional[tf.Tensor]]:
-    """The contract of ``kernels.quantize_encode``; the new residual is always a new tensor."""
+    """The contract of ``host_kernels.quantize_encode``; the new residual is always a new tensor."""
     rows, cols = _shape(x)
     has_residual, has_noise = residual is not None, noise is not None
 
@@ -97,12 +97,12 @@ def quantize_encode(x: Any, *, width: int, bits: int, noise: Optional[Any] = Non
         x_np, extra = _host(x_np), iter(_host(a) for a in rest)
         r_np = next(extra) if has_residual else None
         n_np = next(extra) if has_noise else None
-        payload, new = _fused(kernels.quantize_encode(_HOST, x_np, width=width, bits=bits, noise=n_np, residual=r_np,
-                                                      error_feedback=error_feedback, overwrite_residual=False),
-                              "quantize_encode")
+        encoded = host_kernels.quantize_encode(_HOST, x_np, width=width, bits=bits, noise=n_np, residual=r_np,
+                                               error_feedback=error_feedback, overwrite_residual=False)
+        payload, new = _fused(encoded, "quantize_encode")
         return [payload, new] if error_feedback else [payload]
 
-    outputs = [(tf.uint8, (rows, kernels.row_bytes(Kind.QUANTIZE, cols, width, bits)))]
+    outputs = [(tf.uint8, (rows, host_kernels.row_bytes(Kind.QUANTIZE, cols, width, bits)))]
     outputs += [(tf.float32, (rows, cols))] if error_feedback else []
     inputs = [x] + [t for t in (residual, noise) if t is not None]
     got = _run(run, inputs, outputs, f"int{bits}_encode")
@@ -114,9 +114,9 @@ def cast_encode(x: Any, *, layout: str) -> tf.Tensor:
     kind = CAST_KINDS[layout]
 
     def run(x_np: np.ndarray) -> List[np.ndarray]:
-        return [_fused(kernels.cast_encode(_HOST, _host(x_np), kind), f"{layout} encode")]
+        return [_fused(host_kernels.cast_encode(_HOST, _host(x_np), kind), f"{layout} encode")]
 
-    return _run(run, [x], [(tf.uint8, (rows, kernels.row_bytes(kind, cols, 0, 0)))], f"{layout}_encode")[0]
+    return _run(run, [x], [(tf.uint8, (rows, host_kernels.row_bytes(kind, cols, 0, 0)))], f"{layout}_encode")[0]
 
 
 def _cast_kind(payload: Any, cols: int, bf16: bool) -> Kind:
@@ -128,15 +128,16 @@ def _cast_kind(payload: Any, cols: int, bf16: bool) -> Kind:
 
 def quantize_decode(payload: Any, *, cols: int, width: int, bits: int) -> tf.Tensor:
     def run(p: np.ndarray) -> List[np.ndarray]:
-        return [_fused(kernels.decode(_HOST, _host(p), Kind.QUANTIZE, cols=cols, width=width, bits=bits), "decode")]
+        return [_fused(host_kernels.decode(_HOST, _host(p), Kind.QUANTIZE, cols=cols, width=width, bits=bits),
+                       "decode")]
 
     return _run(run, [payload], [(tf.float32, (_shape(payload)[0], cols))], f"int{bits}_decode")[0]
 
 
 def quantize_decode_sum(payload: Any, *, cols: int, width: int, bits: int, scale: float) -> tf.Tensor:
     def run(p: np.ndarray) -> List[np.ndarray]:
-        return [_fused(kernels.decode_sum(_HOST, _host(p), Kind.QUANTIZE, cols=cols, scale=scale, width=width, bits=bits),
-                       "decode_sum")]
+        total = host_kernels.decode_sum(_HOST, _host(p), Kind.QUANTIZE, cols=cols, scale=scale, width=width, bits=bits)
+        return [_fused(total, "decode_sum")]
 
     return _run(run, [payload], [(tf.float32, (1, cols))], f"int{bits}_decode_sum")[0]
 
@@ -145,7 +146,7 @@ def cast_decode(payload: Any, *, cols: int, bf16: bool) -> tf.Tensor:
     kind = _cast_kind(payload, cols, bf16)
 
     def run(p: np.ndarray) -> List[np.ndarray]:
-        return [_fused(kernels.decode(_HOST, _host(p), kind, cols=cols), "decode")]
+        return [_fused(host_kernels.decode(_HOST, _host(p), kind, cols=cols), "decode")]
 
     return _run(run, [payload], [(tf.float32, (_shape(payload)[0], cols))], f"{kind.name.lower()}_decode")[0]
 
@@ -154,6 +155,6 @@ def cast_decode_sum(payload: Any, *, cols: int, bf16: bool, scale: float) -> tf.
     kind = _cast_kind(payload, cols, bf16)
 
     def run(p: np.ndarray) -> List[np.ndarray]:
-        return [_fused(kernels.decode_sum(_HOST, _host(p), kind, cols=cols, scale=scale), "decode_sum")]
+        return [_fused(host_kernels.decode_sum(_HOST, _host(p), kind, cols=cols, scale=scale), "decode_sum")]
 
     return _run(run, [payload], [(tf.float32, (1, cols))], f"{kind.name.lower()}_decode_sum")[0]

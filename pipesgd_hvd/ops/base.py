@@ -16,7 +16,6 @@ from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, 
 Tensor = Any  # a numpy array, torch.Tensor or tf.Tensor, depending on the table
 Shape = Tuple[int, ...]
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # Bytes per element for the dtypes the engine and codecs move.
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1,
             "int32": 4, "int64": 8}
@@ -77,7 +76,7 @@ class TensorOps(Protocol):
         """A host numpy array (zero-copy where the framework allows)."""
     def from_numpy(self, a: Any, like: Optional[Tensor] = None) -> Tensor: ...
     def kernel_address(self, x: Tensor) -> Optional[int]:
-        """Address of ``x``'s first element when the fused host kernels (compression/kernels.py)
+        """Address of ``x``'s first element when the fused host kernels (compression/host_kernels.py)
         may read it (and write it, if the codec owns it: outputs, residuals): a C-contiguous
         tensor in host memory of a table that also has :meth:`MutableTensorOps.empty`. None
         otherwise (GPU and graph tensors, a table built with ``fused=False``): the codecs then
@@ -117,7 +116,3 @@ class MutableTensorOps(TensorOps, Protocol):
         """Marks the current stream's position on ``like``'s device (a CUDA event on GPU, None on CPU)."""
     def wait_marker(self, marker: Any) -> None:
         """Makes the current stream of the marker's device wait for it (no-op for None)."""
-
-
-def is_float_dtype(dtype: str) -> bool:
-    return dtype in FLOAT_DTYPES

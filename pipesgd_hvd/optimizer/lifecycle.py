@@ -31,7 +31,7 @@ from ..pipeline.config import PipelineConfig, WireStats
 from ..pipeline.engine import AppliedStep
 from ..pipeline.fusion import TensorSpec
 from ..pipeline.guards import agree_pipeline_name, provisional_name
-from ..staleness import correction as corrections
+from ..staleness import registry as corrections
 from ..staleness.choice import AccuracyWarning
 from ..staleness.correction import Correction, CorrectionContext
 from . import checkpoint, elastic_rule

@@ -19,7 +19,7 @@ from ..compression import Compression, resolve_compression
 from ..pipeline.config import PipelineConfig
 from ..pipeline.fusion import DEFAULT_FUSION_THRESHOLD
 from ..staleness.choice import advice, choose as choose_correction
-from ..staleness.correction import correction_class, registry
+from ..staleness.registry import CORRECTIONS, correction_class
 from ..staleness.formulas import DEFAULT_DC_LAMBDA, check_dc_lambda
 from ..staleness.split_batch import DEFAULT_FRESH_FRACTION, check_fresh_fraction
 
@@ -185,12 +185,12 @@ def correction_refusal(options: OptimizerOptions, grad_scaler: bool = False) -> 
 def check_staleness_correction(value: Any) -> Optional[str]:
     """``staleness_correction``: False/None (default), True (weight prediction), ``"auto"`` (kept:
     :mod:`pipesgd_hvd.staleness.choice` resolves it once the other settings are known) or the
-    name of a correction (:func:`pipesgd_hvd.staleness.correction.registry`)."""
+    name of a correction (:data:`pipesgd_hvd.staleness.registry.CORRECTIONS`)."""
     if value is False or value is None:
         return None
     if value is True:
         return "weight_prediction"
-    names = sorted(registry())
+    names = sorted(CORRECTIONS)
     if isinstance(value, str) and (value == "auto" or value in names):
         return value
     raise ValueError(f"staleness_correction must be False, True, 'auto' or {' / '.join(map(repr, names))}, "

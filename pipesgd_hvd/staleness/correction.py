@@ -26,17 +26,15 @@ Written once over :class:`~pipesgd_hvd.ops.base.TensorOps`: with Python bools an
 core decides on the host (PyTorch), with traced tensors inside Keras's step (``Cond`` and
 ``Step`` are either; :mod:`pipesgd_hvd.staleness.conds` combines them).
 
-Adding a correction is one module in this package that defines a subclass with a ``name``; the
-registry (:func:`registry`) finds it, ``staleness_correction=<name>`` selects it, and its
-:meth:`Correction.refusal` says which settings it cannot run with.
+Adding a correction is one module in this package that defines a subclass with a ``name``, and
+its line in the table of :mod:`pipesgd_hvd.staleness.registry`; ``staleness_correction=<name>``
+selects it, and its :meth:`Correction.refusal` says which settings it cannot run with.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
-import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple, Type
+from typing import Any, ClassVar, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..ops.base import Tensor, TensorOps
 
@@ -222,43 +220,3 @@ class Correction:  # noqa: B024 - the identity is usable as it is
 def saved_kind(saved: Optional[Dict[str, Any]], kind: str) -> Optional[Dict[str, Any]]:
     """``saved`` if it is the state of correction ``kind``, else None."""
     return saved if saved is not None and saved.get("kind") == kind else None
-
-
-# --------------------------------------------------------------------------------- registry
-_REGISTRY: Dict[str, Type[Correction]] = {}
-
-
-def registry() -> Dict[str, Type[Correction]]:
-    """Every correction by name: the subclasses of :class:`Correction` with a ``name``, defined
-    in the modules of this package (imported once, here)."""
-    if not _REGISTRY:
-        package = importlib.import_module(__package__)
-        for module in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{__package__}.{module.name}")
-        pending: List[Type[Correction]] = [Correction]
-        while pending:
-            cls = pending.pop()
-            pending.extend(cls.__subclasses__())
-            if cls.name:
-                _REGISTRY[cls.name] = cls
-    return dict(_REGISTRY)
-
-
-def correction_class(name: Optional[str]) -> Type[Correction]:
-    """The class behind ``staleness_correction=name`` (None: the identity)."""
-    if name is None:
-        return Correction
-    found = registry().get(name)
-    if found is None:
-        raise ValueError(f"unknown staleness_correction {name!r}; one of {sorted(registry())}")
-    return found
-
-
-def build(name: Optional[str], context: CorrectionContext) -> Correction:
-    """The correction ``name`` for ``context``, or the identity where it has nothing to do at
-    ``context.width`` (width 1: every gradient is fresh)."""
-    cls = correction_class(name)
-    return cls(context) if cls.active_at(context.width) else Correction(context)
-
-
-Builder = Callable[[Optional[str], CorrectionContext], Correction]

@@ -114,11 +114,6 @@ def check_grad_scaler(scaler: Any) -> None:
         raise TypeError(f"grad_scaler must be the torch.amp.GradScaler in use (or None), got {type(scaler).__name__}")
 
 
-def check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
 def check_groups(num_groups: Any, groups: Any, params: Sequence[torch.Tensor]) -> None:
     """Horovod's grouping arguments: accepted (and ignored: buckets replace them) when well formed."""
     if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups < 0:

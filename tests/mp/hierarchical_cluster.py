@@ -20,13 +20,13 @@ import torch
 import pipesgd_hvd.torch as psgd
 from allreduce_reference import hierarchical_reference
 from common import assert_replicas_identical, passed
-from pipesgd_hvd.comm.counting import CountingComm
 from pipesgd_hvd.comm.pipeline_channel import PipelineChannel
 from pipesgd_hvd.comm.topology import Topology, resolve_topology
 from pipesgd_hvd.compression import resolve_compression
 from pipesgd_hvd.compression.allreduce import compressed_allreduce
 from pipesgd_hvd.compression.hierarchical import hierarchical_allreduce
 from pipesgd_hvd.ops.torch import TORCH_OPS
+from pipesgd_hvd.testing import CountingComm
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 

@@ -165,7 +165,8 @@ def dropped():
     unwaited = len(hvd.mpi_ops._handle_map)
     print(f"INFO rank{rank} dropped: {in_flight} step(s) were in flight; warnings at drop: "
           f"{[str(w.message)[:120] for w in caught]}; Horovod handles never waited for: {unwaited}", flush=True)
-    # Nothing computed is lost silently (DESIGN.md): dropping work in flight at least warns, and
+    # Nothing computed is lost silently: dropping work in flight at least warns (docs/migrating.md,
+    # "several optimizers in one process"), and
     # leaves no Horovod op unwaited (Horovod keeps its tensors in _handle_map until synchronize()).
     assert in_flight == 0 or caught, f"an optimizer with {in_flight} step(s) in flight was dropped without a word"
     assert unwaited == 0, f"{unwaited} Horovod op(s) of the dropped optimizer were never waited for (buffers leak)"

@@ -15,9 +15,10 @@ from .netns import SUBNET, Cluster
 
 AGENT = Path(__file__).resolve().with_name("rsh_agent.sh")
 
-# Why each setting (measured, see shared/CLUSTER.md): Open MPI's progress thread spins without
-# yield_when_idle and steals the core compute needs; its default ring allreduce reached ~2/3 of
-# the link for large messages, recursive doubling (algorithm 3) the full link on 2 hosts.
+# Why each setting (measured on this emulated cluster when it was built): Open MPI's progress thread
+# spins without yield_when_idle and took 40-75% of the core compute needs (compute alone went from
+# ~150 to 240-270 ms); its default ring allreduce of 25 MB on 2 ranks ran ~1.5x slower than the
+# link, recursive doubling (algorithm 3) reached the link's rate.
 MPI_SETTINGS = [
     "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", SUBNET, "--mca", "oob_tcp_if_include", SUBNET,
     "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",

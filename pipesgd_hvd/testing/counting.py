@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
-from .base import Communicator, Handle, ReduceOp
+from ..comm.base import Communicator, Handle, ReduceOp
 
 
 class CountingComm:

@@ -1,4 +1,4 @@
-"""An in-process world: N ranks as threads sharing memory, for unit tests of the engine.
+"""An in-process world: N ranks as threads sharing memory, for tests of the engine and of training code.
 
 Collectives are matched by the order in which each rank issues them (as MPI does), so a test
 also catches an engine that issues them in a different order on different ranks. Object
@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..comm import wire
+from ..comm.base import TIMEOUT_CAUSES, PeerLostError, ReduceOp, postscale_factor
+from ..comm.board import MemoryBoard
 from ..ops.base import MutableTensorOps, Tensor
-from . import wire
-from .base import TIMEOUT_CAUSES, PeerLostError, ReduceOp, postscale_factor
-from .board import MemoryBoard
 
 
 class LocalWorld:
