@@ -33,9 +33,10 @@ class BoardUnavailable(RuntimeError):
     """The store's server did not answer (``lost=False``: frozen, slow or overloaded) or cannot be
     reached any more (``lost=True``: nobody listens at its address)."""
 
-    def __init__(self, message: str, lost: bool = False) -> None:
+    def __init__(self, message: str, lost: bool = False, waited_s: float = 0.0) -> None:
         super().__init__(message)
         self.lost = lost
+        self.waited_s = waited_s  # how long the call that did not answer has been waiting
 
 
 def first_line(exc: BaseException) -> str:
@@ -84,10 +85,10 @@ class StoreLane:
                     raise BoardUnavailable(f"the status board's connection was closed ({what})")
                 if self._stuck is not None:
                     stuck_what, since = self._stuck
+                    waited = time.monotonic() - since
                     raise BoardUnavailable(
                         f"the pipeline's store, which {self.server} serves, has not answered a call ({stuck_what}) for "
-                        f"{time.monotonic() - since:.0f} s: {self.server}'s process or host is frozen, lost or "
-                        "overloaded")
+                        f"{waited:.0f} s: {self.server}'s process or host is frozen, lost or overloaded", waited_s=waited)
                 self._next = call
                 self._ensure_thread()
                 self._wake.notify()
@@ -98,7 +99,8 @@ class StoreLane:
                 if self._stuck is not None and not call.done.is_set():
                     raise BoardUnavailable(
                         f"the pipeline's store, which {self.server} serves, did not answer within {self.timeout_s:g} s "
-                        f"({what}): {self.server}'s process or host is frozen, lost or overloaded")
+                        f"({what}): {self.server}'s process or host is frozen, lost or overloaded",
+                        waited_s=time.monotonic() - call.started)
             if call.error is not None:
                 raise BoardUnavailable(f"the pipeline's store did not answer ({what}: {call.error})", lost=call.lost)
             return call.value

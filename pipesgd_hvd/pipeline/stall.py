@@ -404,8 +404,8 @@ class StallInspector:
             self.verdict = self.error_type(message)
 
     def _board_failed(self, exc: BoardUnavailable) -> None:
-        if self._board_down is None:
-            self._board_down = (str(exc), time.monotonic())
+        if self._board_down is None:  # since the call that has not answered began
+            self._board_down = (str(exc), time.monotonic() - getattr(exc, "waited_s", 0.0))
         self._say_once("board", logging.INFO, f"pipesgd_hvd stall inspector: {exc}; rank names are not available "
                                               "until it answers")
 
@@ -507,9 +507,9 @@ class StallInspector:
             asked = 0  # no fresh answers can come: what follows is each rank's last news
             silent = time.monotonic() - down[1]
             last = statuses[server] if server is not None and server < len(statuses) else None
+            seen = f"last seen {rules.doing(last)}" if last is not None else "no entry of it read yet"
             parts.append(f"{self._server_name()} (neither it nor the status board it serves has answered for "
-                         f"{silent:.0f} s: its process or host is frozen, lost or overloaded; last seen "
-                         f"{rules.doing(last) if last is not None else 'never'})")
+                         f"{silent:.0f} s: its process or host is frozen, lost or overloaded; {seen})")
         for r, s in enumerate(statuses):
             if r == self.rank or (down is not None and r == server):
                 continue
