@@ -40,6 +40,10 @@ class PipelineConfig:
     seed: int = 0
     check_replicas_every: int = 0
     hierarchical: Optional[str] = None
+    #: further settings that must be equal on every rank, as (name, value) pairs: the optimizer's
+    #: own (staleness_correction, dc_lambda, backward_passes_per_step, sparse_as_dense), which the
+    #: engine does not use but whose mismatch would make the replicas drift apart silently
+    agreed: Tuple[Tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen: normalised values (numpy ints -> int) are written through object.__setattr__.
@@ -60,6 +64,9 @@ class PipelineConfig:
             raise ValueError("gradient_predivide_factor is only supported with op=Average (as in Horovod)")
         if not isinstance(self.name, str):
             raise ValueError(f"name must be a str, got {self.name!r}")
+        if not isinstance(self.agreed, tuple) or not all(
+                isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) for e in self.agreed):
+            raise ValueError(f"agreed must be a tuple of (name, value) pairs, got {self.agreed!r}")
         if self.hierarchical not in (None, *LOCAL_DTYPES):
             raise ValueError(f"hierarchical must be None or one of {', '.join(LOCAL_DTYPES)} (the dtype inside the "
                              f"node), got {self.hierarchical!r}")
@@ -73,11 +80,13 @@ class PipelineConfig:
 
 def settings_entries(config: PipelineConfig, codec_name: str) -> List[Tuple[str, Any]]:
     """The settings that must be equal on every rank, as (name, value) pairs (checked across
-    ranks and saved with checkpoints)."""
+    ranks and saved with checkpoints). ``seed`` too: it seeds the codecs' stochastic rounding, and
+    ranks with different seeds round differently without any error."""
     return [("width", config.width), ("warmup_steps", config.warmup_steps), ("op", config.op.value),
             ("fusion_threshold_bytes", config.fusion_threshold_bytes),
             ("gradient_predivide_factor", config.gradient_predivide_factor), ("compression", codec_name),
-            ("check_replicas_every", config.check_replicas_every), ("hierarchical", config.hierarchical)]
+            ("check_replicas_every", config.check_replicas_every), ("hierarchical", config.hierarchical),
+            ("seed", config.seed), *config.agreed]
 
 
 @dataclass
