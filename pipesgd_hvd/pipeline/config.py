@@ -15,6 +15,13 @@ from ..compression.hierarchical import LOCAL_DTYPES
 from .fusion import DEFAULT_FUSION_THRESHOLD
 
 
+#: The widest pipeline accepted. A width-K pipeline keeps K - 1 steps in flight (each a copy of
+#: every gradient), applies nothing for its first K - 1 steps and applies each gradient K - 1
+#: steps late; Pipe-SGD's analysis picks 2, and nothing here was measured past 3. A larger value
+#: is far more likely a mistake (width=1000 would apply nothing for 999 steps) than a choice.
+MAX_WIDTH = 8
+
+
 def integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
     """``value`` as an int >= ``minimum`` (numpy ints too), or a ValueError naming the argument."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
@@ -49,6 +56,10 @@ class PipelineConfig:
         # Frozen: normalised values (numpy ints -> int) are written through object.__setattr__.
         fix = lambda field_name, value: object.__setattr__(self, field_name, value)  # noqa: E731
         fix("width", integer("width", self.width, 1, " (1 = synchronous, 2 = Pipe-SGD)"))
+        if self.width > MAX_WIDTH:
+            raise ValueError(f"width={self.width} is more than {MAX_WIDTH}: a width-K pipeline applies nothing for its "
+                             f"first K - 1 steps, keeps K - 1 copies of every gradient in flight and applies each one "
+                             f"K - 1 steps late ({self.width - 1} here); use width=2 (Pipe-SGD) or width='auto'")
         fix("warmup_steps", integer("warmup_steps", self.warmup_steps, 0))
         fix("fusion_threshold_bytes", integer("fusion threshold", self.fusion_threshold_bytes, 0, " bytes"))
         fix("seed", integer("seed", self.seed, 0, " (the same on every rank)"))

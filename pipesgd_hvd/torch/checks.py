@@ -6,9 +6,11 @@ with the test that checks each. Checks shared with other frameworks live in
 """
 from __future__ import annotations
 
+import gc
 import numbers
 import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,6 +52,53 @@ def named_parameters(optimizer: torch.optim.Optimizer,
 def _short(item: Any) -> str:
     text = repr(item)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Claims:
+    """Which live pipelined optimizer trains each parameter (by the tensor's id, with weak
+    references to both, so that a dropped optimizer frees its parameters). A fact about the
+    process, like Horovod's handle counter: it is what two optimizers can share."""
+
+    def __init__(self) -> None:
+        self._by_param: Dict[int, Tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]", str]] = {}
+
+    def owner(self, p: torch.Tensor) -> Optional[Tuple[Any, str]]:
+        claim = self._by_param.get(id(p))
+        if claim is None:
+            return None
+        param, owner, name = claim[0](), claim[1](), claim[2]
+        if param is not p or owner is None:
+            del self._by_param[id(p)]
+            return None
+        return owner, name
+
+    def claim(self, owner: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        taken = [(name, p, self.owner(p)) for name, p in named]
+        if any(held is not None for _, _, held in taken):
+            gc.collect()  # an optimizer dropped but still in a reference cycle holds no parameter
+            taken = [(name, p, self.owner(p)) for name, p in named]
+        shared = [(name, held) for name, _, held in taken if held is not None and held[0] is not owner]
+        if shared:
+            name, (_, their_name) = shared[0]
+            raise ValueError(
+                f"parameter '{name}' is already trained by another pipesgd_hvd DistributedOptimizer (as "
+                f"'{their_name}'; {len(shared)} shared parameter(s)): its gradient would be reduced twice and the "
+                "parameter stepped twice. Give each DistributedOptimizer its own parameters (one optimizer over "
+                "several param groups, or disjoint sets), or drop the first optimizer (flush() it, then del it) "
+                "before wrapping its parameters again")
+        ref = weakref.ref(owner)
+        for name, p in named:
+            self._by_param[id(p)] = (weakref.ref(p), ref, name)
+
+
+_CLAIMS = _Claims()
+
+
+def claim_parameters(owner: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+    """Records that ``owner`` (a DistributedOptimizer) trains ``named``; a ValueError naming the
+    parameter when another live one already does (checked before any collective, so every rank
+    raises alike)."""
+    _CLAIMS.claim(owner, named)
 
 
 def check_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> None:
