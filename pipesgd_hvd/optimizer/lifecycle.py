@@ -191,7 +191,8 @@ class PipelineLifecycle:
             self.pipeline.state_dict(),
             auto=self.auto_controller.state_dict() if self.auto_controller is not None else None,
             prediction=self.prediction.state_dict(self.names) if self.prediction is not None else None,
-            corrections=self._corrections_state())
+            corrections=self._corrections_state(),
+            residuals_of=checkpoint.owner(self.comm.rank, self.comm.size))
 
     def _corrections_state(self) -> Optional[Dict[str, Any]]:
         if self.correction is not None:
@@ -207,7 +208,8 @@ class PipelineLifecycle:
         if entry.get("auto") is not None and self.auto_controller is not None:
             self.auto_controller.load_state_dict(entry["auto"])  # the width and codec it ran with
         checkpoint.check_resumable(entry["settings"], self.pipeline.settings())
-        self.pipeline.load_state_dict(entry)
+        self.pipeline.load_state_dict(checkpoint.usable_residuals(entry, self.comm.rank, self.comm.size,
+                                                                  self.pipeline.settings()))
 
     def load_prediction(self, saved: Optional[Dict[str, Any]]) -> bool:
         """After the model's weights were loaded: the tensors get the prediction the next gradient
