@@ -55,49 +55,55 @@ def _short(item: Any) -> str:
 
 
 class _Claims:
-    """Which live pipelined optimizer trains each parameter (by the tensor's id, with weak
+    """Which live pipelined optimizers train each parameter (by the tensor's id, with weak
     references to both, so that a dropped optimizer frees its parameters). A fact about the
-    process, like Horovod's handle counter: it is what two optimizers can share."""
+    process, like Horovod's handle counter: it is what two optimizers can share.
+
+    A parameter claimed by a second optimizer while the first still lives is only *contested*:
+    ``opt = DistributedOptimizer(...)`` run again over the same model builds the new one while
+    the old one is still bound to ``opt``, and drops it right after. Its gradient settles it
+    (:meth:`check`): if two of its optimizers still live when it is handed to the pipeline, it
+    would be reduced twice and stepped twice, which is an error."""
 
     def __init__(self) -> None:
-        self._by_param: Dict[int, Tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]", str]] = {}
+        self._by_param: Dict[int, List[Tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]", str]]] = {}
+        self.contested: set = set()  # ids of parameters claimed by more than one optimizer
 
-    def owner(self, p: torch.Tensor) -> Optional[Tuple[Any, str]]:
-        claim = self._by_param.get(id(p))
-        if claim is None:
-            return None
-        param, owner, name = claim[0](), claim[1](), claim[2]
-        if param is not p or owner is None:
-            del self._by_param[id(p)]
-            return None
-        return owner, name
+    def _live(self, p: torch.Tensor) -> List[Tuple[Any, str]]:
+        claims = [c for c in self._by_param.get(id(p), []) if c[0]() is p and c[1]() is not None]
+        self._by_param[id(p)] = claims
+        return [(c[1](), c[2]) for c in claims]
 
     def claim(self, owner: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
-        taken = [(name, p, self.owner(p)) for name, p in named]
-        if any(held is not None for _, _, held in taken):
-            gc.collect()  # an optimizer dropped but still in a reference cycle holds no parameter
-            taken = [(name, p, self.owner(p)) for name, p in named]
-        shared = [(name, held) for name, _, held in taken if held is not None and held[0] is not owner]
-        if shared:
-            name, (_, their_name) = shared[0]
-            raise ValueError(
-                f"parameter '{name}' is already trained by another pipesgd_hvd DistributedOptimizer (as "
-                f"'{their_name}'; {len(shared)} shared parameter(s)): its gradient would be reduced twice and the "
-                "parameter stepped twice. Give each DistributedOptimizer its own parameters (one optimizer over "
-                "several param groups, or disjoint sets), or drop the first optimizer (flush() it, then del it) "
-                "before wrapping its parameters again")
         ref = weakref.ref(owner)
         for name, p in named:
-            self._by_param[id(p)] = (weakref.ref(p), ref, name)
+            live = self._live(p)
+            if not any(o is owner for o, _ in live):
+                self._by_param[id(p)].append((weakref.ref(p), ref, name))
+            if len(live) >= 1 and any(o is not owner for o, _ in live):
+                self.contested.add(id(p))
+
+    def check(self, name: str, p: torch.Tensor) -> None:
+        if len(self._live(p)) > 1:
+            gc.collect()  # an optimizer dropped but held in a reference cycle trains nothing
+        live = self._live(p)
+        if len(live) <= 1:
+            self.contested.discard(id(p))
+            return
+        raise ValueError(
+            f"parameter '{name}' is trained by {len(live)} pipesgd_hvd DistributedOptimizers at once (as "
+            f"{', '.join(repr(n) for _, n in live)}): its gradient would be reduced twice and the parameter stepped "
+            "twice. Give each DistributedOptimizer its own parameters (one optimizer over several param groups, or "
+            "disjoint sets), or drop the first optimizer (flush() it, then del it) before wrapping its parameters "
+            "again")
 
 
 _CLAIMS = _Claims()
 
 
 def claim_parameters(owner: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
-    """Records that ``owner`` (a DistributedOptimizer) trains ``named``; a ValueError naming the
-    parameter when another live one already does (checked before any collective, so every rank
-    raises alike)."""
+    """Records that ``owner`` (a DistributedOptimizer) trains ``named`` (see :class:`_Claims`:
+    a parameter that two live optimizers train is refused when its gradient is handed over)."""
     _CLAIMS.claim(owner, named)
 
 
@@ -113,7 +119,10 @@ def check_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> None:
 def checked_grad(name: str, p: torch.Tensor, sparse_as_dense: bool) -> torch.Tensor:
     """``p.grad`` ready for the engine (dense, same shape, dtype and device as ``p``), or an error
     naming the parameter. PyTorch's ``.grad`` setter allows none of these mismatches, but
-    ``p.grad.data = ...`` and ``p.grad_dtype = None`` get past it."""
+    ``p.grad.data = ...`` and ``p.grad_dtype = None`` get past it. A parameter that two live
+    optimizers train is refused here (:func:`claim_parameters`)."""
+    if _CLAIMS.contested and id(p) in _CLAIMS.contested:  # (an empty set: one test per gradient)
+        _CLAIMS.check(name, p)
     grad = p.grad
     if grad.is_sparse:
         if not sparse_as_dense:
