@@ -508,8 +508,12 @@ class StallInspector:
             silent = time.monotonic() - down[1]
             last = statuses[server] if server is not None and server < len(statuses) else None
             seen = f"last seen {rules.doing(last)}" if last is not None else "no entry of it read yet"
-            parts.append(f"{self._server_name()} (neither it nor the status board it serves has answered for "
-                         f"{silent:.0f} s: its process or host is frozen, lost or overloaded; {seen})")
+            if server == self.rank:  # this process serves it: its store is flooded or overloaded
+                parts.append(f"(the status board this rank serves has not answered for {silent:.0f} s: its store is "
+                             "overloaded; each rank's last news follows)")
+            else:
+                parts.append(f"{self._server_name()} (neither it nor the status board it serves has answered for "
+                             f"{silent:.0f} s: its process or host is frozen, lost or overloaded; {seen})")
         for r, s in enumerate(statuses):
             if r == self.rank or (down is not None and r == server):
                 continue
