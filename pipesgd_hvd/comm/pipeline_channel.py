@@ -24,11 +24,14 @@ MPI: names only label errors.
 
 Who can talk to it (docs/reliability.md, "Who can talk to a job"): rank 0 makes a per-job secret
 and sends it with the store's address through Horovod's broadcast, which runs inside the job.
-Every rank proves it on each group as the channel is built (a challenge-response: HMAC-SHA256
-over every rank's fresh nonce), so a connection that Gloo made to anyone outside the job fails
-there with an error that says so. Objects are gathered in a typed encoding, never pickled
-(:mod:`.wire`), and each carries its sender's MAC; entries of the status board
-(:mod:`.board`) are signed the same way, and an unsigned one is ignored.
+Every rank proves it on every pair of each group before the group is used (a challenge-response
+over each pair's own connection, :func:`prove_pairs`), the device group included, so a
+connection that Gloo or NCCL made to anyone outside the job (a rendezvous entry written from
+outside) fails there with an error that says so. Objects are gathered in a typed encoding, never
+pickled (:mod:`.wire`), and each carries its sender's MAC; entries of the status board
+(:mod:`.board`) are signed the same way with a sequence number inside the MAC, and one that is
+forged, replayed or deleted is ignored and counted; every board call is bounded in time
+(:mod:`.store_lane`), since rank 0, which serves the store, may be frozen.
 
 Building it is collective (:meth:`PipelineChannel.from_horovod`): every rank calls it at the
 same point of the program, from the training thread (two named ``hvd.broadcast`` ops carry the
