@@ -140,8 +140,8 @@ def test_a_peer_that_has_not_joined_the_device_group_gives_peer_lost_error_withi
                 comm.alltoall_async(x, "a2a.0").wait()
             return None
         started = time.monotonic()
-        with pytest.raises(PeerLostError, match="alltoall 'a2a.0' on the pipeline channel did not complete within "
-                                               "1.5 s .PIPESGD_TIMEOUT."):
+        with pytest.raises(PeerLostError, match="alltoall 'a2a.0' .with the secret check of its new device group. on "
+                                               "the pipeline channel did not complete within 1.5 s .PIPESGD_TIMEOUT."):
             comm.alltoall_async(x, "a2a.0").wait()
         return time.monotonic() - started
 

@@ -24,11 +24,14 @@ MPI: names only label errors.
 
 Who can talk to it (docs/reliability.md, "Who can talk to a job"): rank 0 makes a per-job secret
 and sends it with the store's address through Horovod's broadcast, which runs inside the job.
-Every rank proves it on each group as the channel is built (a challenge-response: HMAC-SHA256
-over every rank's fresh nonce), so a connection that Gloo made to anyone outside the job fails
-there with an error that says so. Objects are gathered in a typed encoding, never pickled
-(:mod:`.wire`), and each carries its sender's MAC; entries of the status board
-(:mod:`.board`) are signed the same way, and an unsigned one is ignored.
+Every rank proves it on every pair of each group before the group is used (a challenge-response
+over each pair's own connection, :func:`prove_pairs`), the device group included, so a
+connection that Gloo or NCCL made to anyone outside the job (a rendezvous entry written from
+outside) fails there with an error that says so. Objects are gathered in a typed encoding, never
+pickled (:mod:`.wire`), and each carries its sender's MAC; entries of the status board
+(:mod:`.board`) are signed the same way with a sequence number inside the MAC, and one that is
+forged, replayed or deleted is ignored and counted; every board call is bounded in time
+(:mod:`.store_lane`), since rank 0, which serves the store, may be frozen.
 
 Building it is collective (:meth:`PipelineChannel.from_horovod`): every rank calls it at the
 same point of the program, from the training thread (two named ``hvd.broadcast`` ops carry the
@@ -54,7 +57,7 @@ from ..ops.torch import TORCH_OPS, TorchOps
 from . import wire
 from .addresses import channel_address
 from .base import TIMEOUT_CAUSES, DoneHandle, PeerLostError, PolledHandle, ReduceOp, default_timeout, postscale_factor
-from .board import StoreBoard, board_store
+from .board import StoreBoard, store_lane
 from .device_group import DeviceGroup, GroupFactory, nccl_group
 
 # PIPESGD_TIMEOUT=0 means "no limit"; Gloo and the store need a number: ten years.
@@ -154,6 +157,39 @@ class ForeignPeerError(RuntimeError):
     rank of this job."""
 
 
+NONCE_BYTES = 16
+
+
+def prove_pairs(group: Any, rank: int, size: int, secret: bytes, context: Sequence[bytes],
+                wait: Callable[[Any], None], like: Optional[torch.Tensor] = None) -> List[int]:
+    """The ranks whose connection on ``group`` did not prove ``secret`` (empty: every one did).
+
+    A challenge-response on every pair: rank r sends each peer p a fresh nonce of its own, then
+    ``HMAC(secret, context, r, p, the nonce p sent r, the nonce r sent p)``, and checks p's proof
+    the same way. Both rounds are an ``alltoall``, which Gloo and NCCL run as a direct exchange
+    with every peer, so each pair's own connection carries its proof in both directions. (The
+    proof before issue 40 was an allgather, which Gloo runs as a ring: with 4 or more ranks it
+    proved only neighbours' connections, while the tensors group sends to every peer directly.)
+    ``wait(work)`` waits for a transfer; ``like``: a tensor on the group's device."""
+    nonces = [secrets.token_bytes(NONCE_BYTES) for _ in range(size)]  # nonces[p]: the one sent to p
+
+    def exchange(rows: Sequence[bytes], width: int) -> List[bytes]:
+        sent = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
+        if like is not None:
+            sent = sent.to(like.device)
+        got = torch.empty_like(sent)
+        wait(_post(group.alltoall_base, got, sent, [], [], dist.AllToAllOptions()))
+        raw = got.cpu().numpy().tobytes()
+        return [raw[p * width:(p + 1) * width] for p in range(size)]
+
+    theirs = exchange(nonces, NONCE_BYTES)  # theirs[p]: the nonce p sent this rank
+    me = str(rank).encode()
+    proofs = exchange([wire.mac(secret, *context, b"from", me, b"to", str(p).encode(), theirs[p], nonces[p])
+                       for p in range(size)], wire.MAC_BYTES)
+    return [p for p in range(size) if p != rank and not wire.mac_ok(
+        secret, proofs[p], *context, b"from", str(p).encode(), b"to", me, nonces[p], theirs[p])]
+
+
 def _bound_listener(address: str) -> socket.socket:
     """A listening socket on ``address`` only (port chosen by the OS), for the store's server:
     torch's own server listens on every interface, whatever host it is given."""
@@ -177,11 +213,13 @@ class PipelineChannel:
     def __init__(self, store: Any, rank: int, size: int, *, address: str, secret: bytes,
                  timeout: Optional[float] = None, prefix: str = "psgd.channel",
                  error: Type[PeerLostError] = PeerLostError, ops: Optional[TorchOps] = None,
-                 device_group: GroupFactory = nccl_group) -> None:
+                 device_group: GroupFactory = nccl_group, store_rank: Optional[int] = 0) -> None:
         """``error``: the PeerLostError subclass a failure raises (under Horovod, one that is also
         a HorovodInternalError, so that ``hvd.elastic.run`` resets on it). ``ops``: the tensor-op
         table that names a tensor's device (tests pass one with a fake CUDA table);
-        ``device_group``: makes the group for device tensors (tests pass a Gloo stand-in)."""
+        ``device_group``: makes the group for device tensors (tests pass a Gloo stand-in);
+        ``store_rank``: the rank whose process serves ``store`` (named when it stops answering;
+        None: not a rank of this channel)."""
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         if not isinstance(secret, bytes) or len(secret) < 16:
@@ -195,6 +233,8 @@ class PipelineChannel:
         self._error = error
         self._closed = False
         self._nccl: Any = None
+        self._device_failure: Optional[BaseException] = None
+        self._store_rank = store_rank
         self._boards: List[Any] = []
         self._tensors = _gloo_group(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, address, self._timeout)
         # Checks get a group of their own: they run while reductions are in flight, and a rank
@@ -211,34 +251,27 @@ class PipelineChannel:
         """What this channel raises when a peer is lost (the stall inspector raises the same)."""
         return self._error
 
-    def _prove(self, group: Any, label: str) -> None:
-        """Every rank proves the job's secret on ``group``'s connections before anything is used:
-        each sends a fresh nonce, then an HMAC over all of them (so no proof can be replayed). A
-        connection Gloo made to someone outside the job (a store entry written from outside)
-        fails here, with words, on the rank that holds it."""
+    def _prove(self, group: Any, label: str, like: Optional[torch.Tensor] = None, what: Optional[str] = None) -> None:
+        """Every rank proves the job's secret on each of ``group``'s connections before anything
+        is used (:func:`prove_pairs`); a connection that leads to someone outside the job (a
+        rendezvous entry written from outside) fails here, with words, on the rank that holds it.
+        ``like``: a tensor on the group's device (the device group's nonces live there);
+        ``what``: the collective that waits for it (named by a timeout)."""
         if self._size == 1:
             return
-        what = f"the secret check of the pipeline channel's {label} group"
-        nonces = torch.empty(self._size * 16, dtype=torch.uint8)
-        mine = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8)
-        _WorkHandle([group._allgather_base(nonces, mine)], lambda: None, what, error=self._error,
-                    timeout=self._timeout).wait()
-        every = nonces.numpy().tobytes()
-        context = (b"psgd-hello", self._prefix.encode(), label.encode())
-        proof = torch.frombuffer(bytearray(wire.mac(self._secret, *context, str(self._rank).encode(), every)),
-                                 dtype=torch.uint8)
-        proofs = torch.empty(self._size * wire.MAC_BYTES, dtype=torch.uint8)
-        _WorkHandle([group._allgather_base(proofs, proof)], lambda: None, what, error=self._error,
-                    timeout=self._timeout).wait()
-        rows = proofs.view(self._size, wire.MAC_BYTES)
-        foreign = [r for r in range(self._size) if not wire.mac_ok(
-            self._secret, rows[r].numpy().tobytes(), *context, str(r).encode(), every)]
+        what = what or f"the secret check of the pipeline channel's {label} group"
+
+        def wait(work: Any) -> None:
+            _WorkHandle([work], lambda: None, what, error=self._error, timeout=self._timeout).wait()
+
+        foreign = prove_pairs(group, self._rank, self._size, self._secret,
+                              (b"psgd-hello", self._prefix.encode(), label.encode()), wait, like)
         if foreign:
             raise ForeignPeerError(
                 f"the pipeline channel's connection(s) to rank(s) {foreign} did not prove this job's secret: they do "
-                "not lead to a rank of this job (someone outside it wrote to the pipeline's store, or a stale job "
-                "used the same port). Nothing received on them was used; check who can reach the training hosts "
-                "(docs/reliability.md, 'Who can talk to a job')")
+                f"not lead to a rank of this job ({label} group; someone outside it wrote to the pipeline's store, or "
+                "a stale job used the same port). Nothing received on them was used; check who can reach the "
+                "training hosts (docs/reliability.md, 'Who can talk to a job')")
 
     # --------------------------------------------------------------------------- building
     @classmethod
@@ -286,7 +319,9 @@ class PipelineChannel:
         its own to the store, with a short timeout; None for a single rank."""
         if self._size == 1 or self._closed:
             return None
-        board = StoreBoard(board_store(self._store), self._rank, self._size, self._secret, f"{self._prefix}/{namespace}")
+        server = f"rank {self._store_rank}" if self._store_rank is not None else "the store's host"
+        board = StoreBoard(store_lane(self._store, server=server), self._rank, self._size, self._secret,
+                           f"{self._prefix}/{namespace}", server_rank=self._store_rank)
         self._boards.append(board)
         return board
 
@@ -304,6 +339,8 @@ class PipelineChannel:
                 group.abort()
         self._tensors = self._checks = self._nccl = None
         self._store = None
+        for board in self._boards:
+            board.lane.close()
         self._boards = []
 
     # ------------------------------------------------------------------------- properties
@@ -320,7 +357,7 @@ class PipelineChannel:
         """This rank's address for the channel's connections (for logs and diagnosis)."""
         return self._address
 
-    def _group(self, x: torch.Tensor) -> Any:
+    def _group(self, x: torch.Tensor, what: str) -> Any:
         if self._closed:
             raise RuntimeError("the pipeline channel was closed")
         if self._device_of(x) is None:
@@ -328,15 +365,26 @@ class PipelineChannel:
                 raise ValueError(f"the pipeline channel reduces CPU or CUDA tensors, got one on {x.device}")
             return self._tensors
         if self._nccl is None:
-            self._nccl = self._nccl_group()
+            self._nccl = self._nccl_group(x, what)
         return self._nccl
 
-    def _nccl_group(self) -> DeviceGroup:
-        # Made once, by the thread issuing the first device collective (the issue thread,
-        # .ordered), at the same point of the issue order on every rank: same store, own prefix.
-        group = self._device_factory(dist.PrefixStore(f"{self._prefix}/nccl", self._store), self._rank, self._size,
-                                     self._timeout)
-        return DeviceGroup(group, self._timeout)
+    def _nccl_group(self, x: torch.Tensor, what: str) -> DeviceGroup:
+        """Made once, by the thread issuing the first device collective (the issue thread,
+        .ordered), at the same point of the issue order on every rank: same store, own prefix.
+        Proved like the Gloo groups before its first collective (its rendezvous key, NCCL's
+        unique id, is read from the store, which anyone who reaches it can write); a group that
+        fails is aborted, and every later device collective raises the same error."""
+        if self._device_failure is not None:
+            raise self._device_failure
+        group = DeviceGroup(self._device_factory(dist.PrefixStore(f"{self._prefix}/nccl", self._store), self._rank,
+                                                 self._size, self._timeout), self._timeout)
+        try:
+            self._prove(group, "device", like=x, what=f"{what} (with the secret check of its new device group)")
+        except (ForeignPeerError, PeerLostError) as exc:
+            group.abort("its secret check failed")
+            self._device_failure = exc
+            raise
+        return group
 
     # ------------------------------------------------------------------------ collectives
     def allreduce_async_(self, x: torch.Tensor, name: str, op: ReduceOp = ReduceOp.SUM,
@@ -351,7 +399,7 @@ class PipelineChannel:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         # Gloo's ring all-reduce sends in chunks and kept pace with a plain TCP exchange (docs/transports.md).
-        work = _post(self._group(x).allreduce, [x], opts)
+        work = _post(self._group(x, f"allreduce '{name}'").allreduce, [x], opts)
         return _WorkHandle([work], lambda: x.mul_(after) if after != 1.0 else x, f"allreduce '{name}'",
                            error=self._error, timeout=self._timeout)
 
@@ -363,7 +411,7 @@ class PipelineChannel:
         if self._size == 1:
             return DoneHandle(x.clone())
         out = torch.empty_like(x)
-        group = self._group(x)
+        group = self._group(x, f"alltoall '{name}'")
         if group is not self._tensors:
             works = [_post(group.alltoall_base, out, x, [], [], dist.AllToAllOptions())]
         else:
@@ -377,7 +425,7 @@ class PipelineChannel:
             return DoneHandle(x.clone())
         rows = x.shape[0]
         out = x.new_empty((self._size * rows,) + tuple(x.shape[1:]))
-        group = self._group(x)
+        group = self._group(x, f"allgather '{name}'")
         if group is not self._tensors:
             works = [_post(group._allgather_base, out, x)]
         else:

@@ -8,6 +8,8 @@ are this dict (the wrapped optimizer's own state sits beside it, in the framewor
      "in_flight": [{"step": s, "meta": loss scale or None, "grads": {tensor name: averaged gradient}}],
                                       oldest first: reduced already (the same bytes on every rank)
      "codec": {"residuals": {key: tensor}} (error feedback; per rank),
+     "residuals_of": {"rank": r, "size": n}: whose residuals "codec" holds (new in issue 40; an
+                    entry without it reads as None: unknown, loaded as before),
      "stats": {"steps", "bytes_sent", "fp32_bytes"},
      "auto": the auto mode's state, or None,
      "prediction": weight prediction's state (real and previous weights by name), or None,
@@ -16,9 +18,16 @@ are this dict (the wrapped optimizer's own state sits beside it, in the framewor
 
 Format 1 (before 2026-12) kept the auto and prediction parts in two more keys of PyTorch's state
 dict, ``"pipesgd_auto"`` and ``"pipesgd_prediction"``; :func:`read` takes both.
+
+Error-feedback residuals are one rank's quantization errors for its chunks of each bucket, in a
+world of one size and one bucket layout. A resume that cannot use them (:func:`usable_residuals`:
+another rank's file, as when every rank loads rank 0's, Horovod's usual habit; another world
+size; another fusion threshold, compression or hierarchical setting) says why in a warning and
+restarts them at zero, instead of using rank 0's on every rank or dropping them without a word.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 FORMAT = 2
@@ -28,10 +37,59 @@ _FORMAT1_EXTRAS = {"auto": "pipesgd_auto", "prediction": "pipesgd_prediction"}
 
 def compose(engine_state: Dict[str, Any], auto: Optional[Dict[str, Any]] = None,
             prediction: Optional[Dict[str, Any]] = None,
-            corrections: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+            corrections: Optional[Dict[str, Any]] = None,
+            residuals_of: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
     """The entry, from the engine's (or TensorFlow pipeline's) state and the optional parts.
-    ("corrections" is new in format 2's later versions; an entry without it reads as None.)"""
-    return {"format": FORMAT, **engine_state, "auto": auto, "prediction": prediction, "corrections": corrections}
+    ("corrections" and "residuals_of" are new in format 2's later versions; an entry without them
+    reads as None.) ``residuals_of``: :func:`owner` of the rank that saves it."""
+    return {"format": FORMAT, **engine_state, "auto": auto, "prediction": prediction, "corrections": corrections,
+            "residuals_of": residuals_of}
+
+
+def owner(rank: int, size: int) -> Dict[str, int]:
+    """Whose error-feedback residuals an entry holds: the saving rank and its world's size."""
+    return {"rank": int(rank), "size": int(size)}
+
+
+# Settings that change what a residual means: the buckets (fusion), the codec, the two-level split.
+_RESIDUAL_SETTINGS = ("compression", "fusion_threshold_bytes", "hierarchical")
+
+
+def residuals_refusal(entry: Mapping[str, Any], rank: int, size: int,
+                      settings: Sequence[Sequence[Any]]) -> Optional[str]:
+    """Why this rank cannot use the entry's error-feedback residuals (None: it can)."""
+    reasons = []
+    saved_by = entry.get("residuals_of")
+    if saved_by is not None:
+        if saved_by.get("size") != size:
+            reasons.append(f"they were saved in a world of {saved_by.get('size')} ranks and this one has {size} (a "
+                           "residual belongs to a rank's chunk of a bucket, and the world's size sets the chunks)")
+        elif saved_by.get("rank") != rank:
+            reasons.append(f"they are rank {saved_by.get('rank')}'s, not this rank's (this rank loaded another rank's "
+                           "file: a residual is the quantization error of the rank that saved it, and every rank "
+                           "adding one rank's error would count it once per rank)")
+    saved, mine = dict(tuple(e) for e in entry.get("settings", [])), dict(tuple(e) for e in settings)
+    for name in _RESIDUAL_SETTINGS:
+        if name in saved and saved[name] != mine.get(name):
+            reasons.append(f"they were saved with {name}={saved[name]!r} and this pipeline has {mine.get(name)!r} "
+                           "(other buckets or another codec: they would not match what they correct)")
+    return "; ".join(reasons) if reasons else None
+
+
+def usable_residuals(entry: Dict[str, Any], rank: int, size: int,
+                     settings: Sequence[Sequence[Any]]) -> Dict[str, Any]:
+    """``entry``, less its error-feedback residuals where this rank cannot use them (then a
+    warning says why, and they restart at zero: at most one step's quantization error is lost)."""
+    if not any((entry.get("codec") or {}).values()):  # nothing per rank in it (no residual yet, or no codec state)
+        return entry
+    why = residuals_refusal(entry, rank, size, settings)
+    if why is None:
+        return entry
+    warnings.warn(f"pipesgd_hvd: the checkpoint's error-feedback residuals were not loaded on rank {rank}: {why}. They "
+                  "restart at zero (at most one step's quantization error is lost). To resume them exactly, let each "
+                  "rank save and load its own file, in a world of the same size, with the same compression, "
+                  "fusion_threshold_mb and hierarchical settings")
+    return {**entry, "codec": {}}
 
 
 def read(outer: Mapping[str, Any]) -> Tuple[Optional[Dict[str, Any]], Dict[str, Any]]:

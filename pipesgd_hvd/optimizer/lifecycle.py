@@ -168,7 +168,7 @@ class Lifecycle:
         return checkpoint.compose(
             self.engine.state_dict(),
             auto=self.auto_controller.state_dict() if self.auto_controller is not None else None,
-            corrections=saved)
+            corrections=saved, residuals_of=checkpoint.owner(self.comm.rank, self.comm.size))
 
     def load_entry(self, entry: Dict[str, Any]) -> None:
         """Loads the pipeline's part of an entry (format 2). Rebuilding the pipeline for a saved
@@ -176,7 +176,8 @@ class Lifecycle:
         if entry.get("auto") is not None and self.auto_controller is not None:
             self.auto_controller.load_state_dict(entry["auto"])  # the width and codec it ran with
         checkpoint.check_resumable(entry["settings"], self.engine.settings())
-        self.engine.load_state_dict(entry)
+        self.engine.load_state_dict(checkpoint.usable_residuals(entry, self.comm.rank, self.comm.size,
+                                                                self.engine.settings()))
 
     def load_correction(self, entry: Optional[Dict[str, Any]]) -> None:
         """After the model's weights (and the wrapped optimizer's state) were loaded: the

@@ -107,7 +107,10 @@ class OptimizerOptions:
         return PipelineConfig(width=self.initial()[0] if width is None else width, warmup_steps=self.warmup_steps,
                               fusion_threshold_bytes=self.fusion_threshold_bytes, op=self.op,
                               gradient_predivide_factor=self.gradient_predivide_factor, name=name, seed=self.seed,
-                              check_replicas_every=self.check_replicas_every, hierarchical=hierarchical)
+                              check_replicas_every=self.check_replicas_every, hierarchical=hierarchical,
+                              agreed=(("staleness_correction", self.staleness_correction), ("dc_lambda", self.dc_lambda),
+                                      ("backward_passes_per_step", self.backward_passes_per_step),
+                                      ("sparse_as_dense", self.sparse_as_dense), ("fresh_fraction", self.fresh_fraction)))
 
     def node_dtype(self) -> str:
         """What a hierarchical reduction sends inside the node: float32, or the 16-bit cast

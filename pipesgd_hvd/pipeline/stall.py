@@ -120,6 +120,7 @@ class StallInspector:
         self._warned = 0
         self._said: set = set()
         self._statuses: List[Optional[Dict[str, Any]]] = []
+        self._board_down: Optional[Tuple[str, float]] = None  # (why, since when) the board has not answered
 
     @classmethod
     def for_comm(cls, comm: Any, name: str, settings: Optional[StallSettings] = None) -> "StallInspector":
@@ -226,31 +227,40 @@ class StallInspector:
         self._ensure_started()
         try:
             return self._agree_at_flush(seq, ended, timeout)
-        except BoardUnavailable as exc:
-            raise self.error_type(f"flush() cannot agree on step counts: {exc}; rank 0, which serves the pipeline's "
-                                  "store, is frozen or lost") from None
+        except BoardUnavailable as exc:  # lost: nobody listens where the store was (its server's process is gone)
+            raise self.error_type(f"flush() cannot agree on step counts: {exc}; {self._server_name()}, which serves "
+                                  "the pipeline's store, is lost") from None
         finally:
             st.wait = None
             st.phase = before[0]
             st.since = time.monotonic() if before[0] == "train" else before[1]
 
     def _agree_at_flush(self, seq: int, ended: int, timeout: Optional[float]) -> str:
+        """Asks and reads until the entries decide. A board that does not answer (rank 0 frozen or
+        slow) is asked again until the timeout, with the stall warning meanwhile: one call that
+        timed out is no reason to fail a job; one that is lost (refused) is raised at once."""
         st = self.status
-        asked = self._ask()
         timeout = timeout if timeout is not None else default_timeout()
         started = time.monotonic()
         st.wait = Wait(ended, None, "the step-count agreement of flush()", started)
-        pause, asked_at = 0.001, started
+        pause, asked, asked_at = 0.001, 0, None
+        statuses: List[Optional[Dict[str, Any]]] = list(self._statuses)
         try:
             while True:
-                if time.monotonic() - asked_at > self.settings.period_s:  # fresh news (how long in Horovod)
-                    asked, asked_at = self._ask(), time.monotonic()
-                statuses = self._read()
-                outcome = rules.flush_outcome(statuses, self.rank, seq, ended, self.error_type)
-                if outcome is not None:
-                    return outcome
+                try:
+                    if asked_at is None or time.monotonic() - asked_at > self.settings.period_s:  # fresh news
+                        asked, asked_at = self._ask(), time.monotonic()
+                    statuses = self._read()
+                    outcome = rules.flush_outcome(statuses, self.rank, seq, ended, self.error_type)
+                    if outcome is not None:
+                        return outcome
+                except BoardUnavailable as exc:
+                    if exc.lost:
+                        raise
+                    self._board_failed(exc)
+                    asked_at = None
                 if timeout is not None and time.monotonic() - started > timeout:
-                    waiting = [r for r, s in enumerate(statuses) if r != self.rank]
+                    waiting = [r for r in range(self.size) if r != self.rank]
                     raise self.error_type(
                         f"flush() waited {timeout:g} s (PIPESGD_TIMEOUT) for rank(s) {waiting} to flush, join or "
                         f"wait for this rank: {self._describe_ranks(statuses, asked, ended)}")
@@ -344,46 +354,69 @@ class StallInspector:
         while not self._stop.wait(self.settings.period_s):
             try:
                 self._tick()
-            except BoardUnavailable as exc:
-                self._say_once("board", logging.INFO, f"pipesgd_hvd stall inspector: {exc}; rank names are not "
-                                                      "available until it answers")
             except Exception as exc:  # noqa: BLE001 - the inspector must never take the process down
                 self._say_once(f"bug:{type(exc).__name__}", logging.WARNING,
                                f"pipesgd_hvd stall inspector: unexpected {type(exc).__name__}: {exc}")
 
     def _tick(self) -> None:
-        now = time.monotonic()
+        """One look: answer a question, judge, and warn about a long wait. The board's part may
+        fail (rank 0, which serves it, frozen or lost; each call is bounded): the warning is
+        given all the same, and names the board's server."""
         board, st = self.board, self.status
         if board is not None:
-            request = board.requests()
-            if self._dirty:
-                self._dirty = False
-                self._publish(max(self._answered, 0))
-            if request != self._answered:  # someone asked: look, judge what can be judged, answer
-                self._statuses = self._read()
-                self._judge(self._statuses, self._need())
-                self._publish(request)
-                self._say_if_in_horovod_join()
+            try:
+                request = board.requests()
+                if self._dirty:
+                    self._dirty = False
+                    self._publish(max(self._answered, 0))
+                if request != self._answered:  # someone asked: look, judge what can be judged, answer
+                    self._statuses = self._read()
+                    self._judge(self._statuses, self._need())
+                    self._publish(request)
+                    self._say_if_in_horovod_join()
+                self._board_answered()
+            except BoardUnavailable as exc:
+                self._board_failed(exc)
         wait = st.wait
         if wait is None:
             self._asked, self._warned = None, 0
             return
-        waited = now - wait.since
-        if board is not None and waited >= self.settings.ask_after_s:
-            if self._asked is None or now - self._asked[1] > max(4 * self.settings.period_s, 2.0):
-                self._asked = (self._ask(), now)
-            self._statuses = self._read()
-            self._judge(self._statuses, wait.step)
-            self._publish(max(self._answered, 0))
+        now = time.monotonic()
+        if board is not None and now - wait.since >= self.settings.ask_after_s:
+            try:
+                if self._asked is None or now - self._asked[1] > max(4 * self.settings.period_s, 2.0):
+                    self._asked = (self._ask(), now)
+                self._statuses = self._read()
+                self._board_answered()
+                self._judge(self._statuses, wait.step)
+                self._publish(max(self._answered, 0))
+            except BoardUnavailable as exc:
+                self._board_failed(exc)
+        waited = time.monotonic() - wait.since  # (the board's calls may have taken seconds)
         check, shutdown = self.settings.check_s, self.settings.shutdown_s
         if check and waited >= check * (self._warned + 1):
-            self._warned += 1
+            self._warned = int(waited // check)
             log.warning(self._stall_message(wait, waited))
         if shutdown and waited >= shutdown and self.verdict is None:
             message = (f"{self._stall_message(wait, waited)} Ending the wait after "
                        f"PIPESGD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g} s")
             log.error(message)
             self.verdict = self.error_type(message)
+
+    def _board_failed(self, exc: BoardUnavailable) -> None:
+        if self._board_down is None:  # since the call that has not answered began
+            self._board_down = (str(exc), time.monotonic() - getattr(exc, "waited_s", 0.0))
+        self._say_once("board", logging.INFO, f"pipesgd_hvd stall inspector: {exc}; rank names are not available "
+                                              "until it answers")
+
+    def _board_answered(self) -> None:
+        if self._board_down is not None:
+            self._board_down = None
+            self._said.discard("board")
+
+    def _server_name(self) -> str:
+        server = getattr(self.board, "server_rank", None)
+        return f"rank {server}" if server is not None else "the board's server"
 
     def _need(self) -> int:
         """The latest step whose shares this rank needs from everyone (waiting or not)."""
@@ -468,8 +501,21 @@ class StallInspector:
 
     def _describe_ranks(self, statuses: List[Optional[Dict[str, Any]]], asked: int, step: int) -> str:
         parts = []
+        down = self._board_down
+        server = getattr(self.board, "server_rank", None)
+        if down is not None:
+            asked = 0  # no fresh answers can come: what follows is each rank's last news
+            silent = time.monotonic() - down[1]
+            last = statuses[server] if server is not None and server < len(statuses) else None
+            seen = f"last seen {rules.doing(last)}" if last is not None else "no entry of it read yet"
+            if server == self.rank:  # this process serves it: its store is flooded or overloaded
+                parts.append(f"(the status board this rank serves has not answered for {silent:.0f} s: its store is "
+                             "overloaded; each rank's last news follows)")
+            else:
+                parts.append(f"{self._server_name()} (neither it nor the status board it serves has answered for "
+                             f"{silent:.0f} s: its process or host is frozen, lost or overloaded; {seen})")
         for r, s in enumerate(statuses):
-            if r == self.rank:
+            if r == self.rank or (down is not None and r == server):
                 continue
             if s is None:
                 parts.append(f"rank {r} (no status yet)")

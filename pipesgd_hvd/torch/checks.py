@@ -6,9 +6,11 @@ with the test that checks each. Checks shared with other frameworks live in
 """
 from __future__ import annotations
 
+import gc
 import numbers
 import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +54,59 @@ def _short(item: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+class _Claims:
+    """Which live pipelined optimizers train each parameter (by the tensor's id, with weak
+    references to both, so that a dropped optimizer frees its parameters). A fact about the
+    process, like Horovod's handle counter: it is what two optimizers can share.
+
+    A parameter claimed by a second optimizer while the first still lives is only *contested*:
+    ``opt = DistributedOptimizer(...)`` run again over the same model builds the new one while
+    the old one is still bound to ``opt``, and drops it right after. Its gradient settles it
+    (:meth:`check`): if two of its optimizers still live when it is handed to the pipeline, it
+    would be reduced twice and stepped twice, which is an error."""
+
+    def __init__(self) -> None:
+        self._by_param: Dict[int, List[Tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]", str]]] = {}
+        self.contested: set = set()  # ids of parameters claimed by more than one optimizer
+
+    def _live(self, p: torch.Tensor) -> List[Tuple[Any, str]]:
+        claims = [c for c in self._by_param.get(id(p), []) if c[0]() is p and c[1]() is not None]
+        self._by_param[id(p)] = claims
+        return [(c[1](), c[2]) for c in claims]
+
+    def claim(self, owner: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        ref = weakref.ref(owner)
+        for name, p in named:
+            live = self._live(p)
+            if not any(o is owner for o, _ in live):
+                self._by_param[id(p)].append((weakref.ref(p), ref, name))
+            if len(live) >= 1 and any(o is not owner for o, _ in live):
+                self.contested.add(id(p))
+
+    def check(self, name: str, p: torch.Tensor) -> None:
+        if len(self._live(p)) > 1:
+            gc.collect()  # an optimizer dropped but held in a reference cycle trains nothing
+        live = self._live(p)
+        if len(live) <= 1:
+            self.contested.discard(id(p))
+            return
+        raise ValueError(
+            f"parameter '{name}' is trained by {len(live)} pipesgd_hvd DistributedOptimizers at once (as "
+            f"{', '.join(repr(n) for _, n in live)}): its gradient would be reduced twice and the parameter stepped "
+            "twice. Give each DistributedOptimizer its own parameters (one optimizer over several param groups, or "
+            "disjoint sets), or drop the first optimizer (flush() it, then del it) before wrapping its parameters "
+            "again")
+
+
+_CLAIMS = _Claims()
+
+
+def claim_parameters(owner: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+    """Records that ``owner`` (a DistributedOptimizer) trains ``named`` (see :class:`_Claims`:
+    a parameter that two live optimizers train is refused when its gradient is handed over)."""
+    _CLAIMS.claim(owner, named)
+
+
 def check_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> None:
     """Complex parameters cannot be averaged by the codecs (and Horovod has no complex sum)."""
     for name, p in named:
@@ -64,7 +119,10 @@ def check_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> None:
 def checked_grad(name: str, p: torch.Tensor, sparse_as_dense: bool) -> torch.Tensor:
     """``p.grad`` ready for the engine (dense, same shape, dtype and device as ``p``), or an error
     naming the parameter. PyTorch's ``.grad`` setter allows none of these mismatches, but
-    ``p.grad.data = ...`` and ``p.grad_dtype = None`` get past it."""
+    ``p.grad.data = ...`` and ``p.grad_dtype = None`` get past it. A parameter that two live
+    optimizers train is refused here (:func:`claim_parameters`)."""
+    if _CLAIMS.contested and id(p) in _CLAIMS.contested:  # (an empty set: one test per gradient)
+        _CLAIMS.check(name, p)
     grad = p.grad
     if grad.is_sparse:
         if not sparse_as_dense:

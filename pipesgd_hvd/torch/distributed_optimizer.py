@@ -126,6 +126,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named = checks.named_parameters(optimizer, named_parameters)
         checks.check_parameters(named)
         checks.check_groups(num_groups, groups, [p for _, p in named])
+        checks.claim_parameters(self, named)
         self._optimizer = optimizer
         self._adapter = TorchAdapter(optimizer, named, sparse_as_dense, grad_scaler)
         comm, factory = (communicator, None) if communicator is not None and not isinstance(communicator, str) \

@@ -88,10 +88,13 @@ board = opt._core.inspector.board
 if rank == 0:
     ports = sorted({int(a.rsplit(":", 1)[1]) for addresses in everyone for a in addresses})
     attack = subprocess.run([sys.executable, "-c", ATTACKER, channel.address, str(store_port),
-                             f"board/{channel._prefix}/{board._ns}", marker, *map(str, ports)],
+                             f"board/{board._ns}", marker, *map(str, ports)],
                             capture_output=True, text=True, timeout=60)
     print(attack.stdout.strip(), attack.stderr.strip()[-500:], flush=True)
     assert "ATTACKED" in attack.stdout
+    # The forged entry sits where the board reads rank 1's (issue 40: it was written under the
+    # channel's prefix twice, a key nothing reads), and is refused there.
+    assert b'"host": "evil"' in channel._store.get(f"board/{board._ns}/status/1")
     entries = board.read()
     assert entries[1] is None or entries[1]["host"] != "evil", entries[1]
     assert board.forged >= 1, "the forged board entry was not counted"
