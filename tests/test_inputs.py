@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import pipesgd_hvd.torch as psgd
-from pipesgd_hvd.comm.local import LocalWorld
+from pipesgd_hvd.testing import LocalWorld
 from pipesgd_hvd.ops.torch import TORCH_OPS
 from reference import loss_fn, make_batches, make_model
 from threads import run_threads
