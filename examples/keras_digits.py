@@ -68,7 +68,7 @@ def main() -> None:
         if rank == 0:
             print(f"== {name} {config}")
         start = time.perf_counter()
-        history = model.fit(x_train, y_train, batch_size=batch_size, epochs=args.epochs,
+        model.fit(x_train, y_train, batch_size=batch_size, epochs=args.epochs,
                             validation_data=(x_test, y_test), verbose=2 if rank == 0 else 0,
                             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                        hvd.callbacks.MetricAverageCallback(),

@@ -211,7 +211,7 @@ def test_a_closed_connection_is_explained_by_the_board_when_the_peer_said_why():
     """A rank that leaves tells the board, then its process ends and its connections close; the
     closed connection can reach the waiting rank before the monitor's next look at the board. The
     error must still name the rank and why it left (CI saw the transport's bare error once)."""
-    from pipesgd_hvd.comm.board import MemoryBoard
+    from pipesgd_hvd.testing.board import MemoryBoard
     from pipesgd_hvd.pipeline.stall import StallInspector, StallSettings
 
     shared, lock = {}, threading.Lock()

@@ -10,7 +10,7 @@ It is not a collective and not ordered with them: each rank writes its own entry
 all of them, at any moment, from any thread. A rank's monitor thread writes only when asked
 (:meth:`StatusBoard.poke` raises a request number every monitor polls), so a training step costs
 no board traffic. Two implementations: :class:`StoreBoard` on the pipeline channel's
-``TCPStore``, and :class:`MemoryBoard` for in-process ranks (tests).
+``TCPStore`` (in-process ranks have :class:`pipesgd_hvd.testing.board.MemoryBoard`).
 
 What the store holds can be read, written and deleted by anyone who reaches its port (torch's
 store has no authentication), so :class:`StoreBoard` trusts nothing it reads
@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Protocol, Tuple
 from . import wire
 from .store_lane import BoardUnavailable, StoreLane
 
-__all__ = ["BoardUnavailable", "MemoryBoard", "StatusBoard", "StoreBoard", "store_lane"]
+__all__ = ["BoardUnavailable", "StatusBoard", "StoreBoard", "store_lane"]
 
 log = logging.getLogger("pipesgd_hvd.board")
 
@@ -249,35 +249,3 @@ def store_lane(store: Any, timeout_s: float = BOARD_TIMEOUT_S, server: str = "ra
             clone.set_timeout(timedelta(seconds=timeout_s))
             return clone
     return StoreLane(connect, timeout_s, server)
-
-
-class MemoryBoard:
-    """The board of in-process ranks (:class:`~pipesgd_hvd.testing.LocalWorld`). Entries go
-    through JSON, as on the store, so what the tests publish is what crosses processes."""
-
-    process_exit = False
-    server_rank = None
-    forged = replayed = removed = rejected = 0  # nothing outside the process writes here
-
-    def __init__(self, shared: Dict[str, Any], lock: threading.Lock, rank: int, size: int, namespace: str) -> None:
-        self.rank, self.size = rank, size
-        self._shared, self._lock, self._ns = shared, lock, namespace
-
-    def publish(self, status: Dict[str, Any]) -> None:
-        with self._lock:
-            self._shared[(self._ns, "status", self.rank)] = json.dumps(status)
-
-    def read(self) -> List[Optional[Dict[str, Any]]]:
-        with self._lock:
-            raw = [self._shared.get((self._ns, "status", r)) for r in range(self.size)]
-        return [json.loads(v) if v is not None else None for v in raw]
-
-    def poke(self) -> int:
-        with self._lock:
-            n = self._shared.get((self._ns, "requests"), 0) + 1
-            self._shared[(self._ns, "requests")] = n
-            return n
-
-    def requests(self) -> int:
-        with self._lock:
-            return self._shared.get((self._ns, "requests"), 0)

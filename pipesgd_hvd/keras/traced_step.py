@@ -93,8 +93,7 @@ class KerasCore(Lifecycle):
         checked = None
         if self.replicas is not None:  # the real weights every rank's update starts from
             checked = self.replicas(graph.step_counter.read_value(), correction.real_values())
-        # Read before exchange() counts the step (the same variable: ordered in the graph).
-        step, start = graph.step_counter.read_value(), graph.start.read_value()
+        step = graph.step_counter.read_value()  # before exchange() counts the step (ordered in the graph)
         feeds, takes = correction.feeds(), correction.takes()
         inputs = list(grads)
         if correction.transforms_input:

@@ -18,9 +18,9 @@ them per step. Between steps the parameters hold the prediction: evaluate or sav
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..ops.base import Tensor, TensorOps
+from ..ops.base import Tensor
 from .conds import Flag, select
 from .correction import Call, Correction, CorrectionContext, Grads, saved_kind
 from .formulas import adam_direction

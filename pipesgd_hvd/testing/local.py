@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..comm import wire
 from ..comm.base import TIMEOUT_CAUSES, PeerLostError, ReduceOp, postscale_factor
-from ..comm.board import MemoryBoard
+from .board import MemoryBoard
 from ..ops.base import MutableTensorOps, Tensor
 
 
