@@ -306,3 +306,10 @@ def test_the_documented_loop_with_halves_trains_as_the_reference():
 
     got = run_threads(world, rank_fn)
     assert_same(got[0], reference(sgd, halved, 12, 2))
+
+
+def test_a_flush_in_warm_up_after_a_call_a_applies_its_part():
+    """In warm-up a pair is one synchronous update; a run that ends after its first call still
+    applies that part (the reduction ends at once in warm-up)."""
+    got, batches = train_ranks(sgd, calls=5, warmup_steps=5)
+    assert_same(got[0], reference(sgd, batches, 5, 2, warmup=5))

@@ -429,8 +429,7 @@ class OptimizerCore(Lifecycle):
         for i, g in enumerate(grads):
             if g is not None:
                 engine.add_gradient_(i, g)
-        engine.end_step()
-        steps = engine.drain()
+        steps = engine.end_step() + engine.drain()  # in warm-up end_step() returns it already
         return sum(1 for s in steps if self.adapter.apply(Update(s.grads, owned=s.owned), checked))
 
     def join(self, outer_join: Optional[Callable[[], Any]] = None) -> int:
@@ -536,7 +535,7 @@ class OptimizerCore(Lifecycle):
         """At interpreter exit: apply what is in flight (nothing computed is lost), or, after a
         failure, make sure the transport's own shutdown cannot keep the process alive."""
         engine = self.engine
-        if engine.failure is None and (engine.in_flight or self._apply_pending or self.correction.pending()):
+        if engine.failure is None and (engine.in_flight or self._apply_pending or self.correction.pending() is not None):
             try:  # no step-count check: other ranks may be gone already
                 count = self.flush(check_steps=False)
                 warnings.warn(f"pipesgd_hvd: applied {count} in-flight step(s) at exit; call optimizer.flush() "
