@@ -49,7 +49,7 @@ for make_optimizer, width, warmup in [(sgd, 1, 0), (sgd, 2, 0), (adam, 2, 0), (s
 # Between steps the model holds the prediction; the real weights are kept by the optimizer.
 model, opt = fit(sgd, width=2, staleness_correction=True)
 assert_replicas_identical(model, "prediction")
-real = [v.numpy() for v in opt.core.prediction.current]
+real = [v.numpy() for v in opt.core.correction.current]
 want = reference_weights(sgd, STEPS, hvd.size(), 2, predict=True)
 for got, ref in zip(real, want):
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6, err_msg="weight prediction")
@@ -58,7 +58,7 @@ assert not all(np.allclose(a, b, rtol=2e-5, atol=2e-6) for a, b in zip(want, pla
 predicted = [v.numpy() for v in model.trainable_variables]
 assert not all(np.array_equal(a, b) for a, b in zip(predicted, real)), "the model holds the prediction"
 opt.flush()  # restores the real weights, then applies the last in-flight gradient
-assert int(opt.core.prediction.started.numpy()) == 0
+assert not opt.core.correction.started.is_set()
 assert_replicas_identical(model, "prediction-flushed")
 passed("keras-rule-weight-prediction")
 

@@ -66,7 +66,7 @@ def part1():
         assert residuals and any(bool(r.any()) for r in residuals.values()), "no error-feedback residual saved"
     torch.save({"model": model.state_dict(), "optimizer": state}, f"{directory}/ckpt.{rank}.pt")
     if prediction:
-        assert state["pipesgd"]["prediction"]["started"], "the prediction state travels with the checkpoint"
+        assert state["pipesgd"]["corrections"]["started"], "the prediction state travels with the checkpoint"
         with opt.real_weights():
             torch.save({"model": model.state_dict(), "optimizer": state}, f"{directory}/ckpt-real.{rank}.pt")
     passed("saved")
