@@ -139,11 +139,11 @@ def test_targets_come_from_the_launch():
     assert speedup(la, "w2-split-int4") == pytest.approx(0.951 / 0.411)
 
 
-def test_split_rows_run_at_comm_about_compute_and_five_times_compute():
+def test_the_accurate_mode_s_rows_run_at_every_comm_compute_of_the_two_host_study():
     configs = ["horovod", "w2-int8", "w2-split-int8"]
     aimed = {aim: throughput.launch_configs(configs, throughput.Setting(2, "1gbit", 1024, aim))
              for aim in (0.25, 1.0, 2.5, 5.0)}
-    assert aimed[1.0] == aimed[5.0] == configs and aimed[0.25] == aimed[2.5] == ["horovod", "w2-int8"]
+    assert all(launched == configs for launched in aimed.values())
     assert throughput.launch_configs(configs, throughput.Setting(2, "1gbit", 1024)) == configs
     assert throughput.launch_configs(configs, throughput.Setting(4, "1gbit", 512)) == configs[:2]
 
