@@ -68,8 +68,3 @@ def test_mp_the_stall_warning_names_the_rank_that_sleeps_and_where():
     assert any(re.fullmatch(r"rank 1 \(outside the pipeline for \d+ s, at reliability_stall\.py:\d+ in <module>, has "
                             r"ended 4 step\(s\)\)", missing) for _, missing in warnings), warnings
 
-
-@pytest.mark.parametrize("controller,codec", [("gloo", "int8"), ("mpi", "none")])
-def test_mp_a_foreign_client_at_the_store_and_ports_changes_nothing(controller, codec):
-    out = run_ranks("mp/reliability_foreign.py", codec, controller=controller, timeout=240)
-    assert f"PASS rank0 foreign-{codec}" in out and f"PASS rank1 foreign-{codec}" in out, out[-3000:]
