@@ -1,13 +1,12 @@
 """Issue 32, on 2 real ranks under horovodrun: every way a rank can stop early ends cleanly on
-every rank, in seconds, with words; the stall warning names a sleeping rank; someone outside the
-job cannot get in. Width 2, MPI and Gloo controllers, a byte codec and none. docs/reliability.md
-("Ranks that stop early", "Who can talk to a job") is the table these keep true.
+every rank, in seconds, with words; the stall warning names a sleeping rank. Width 2, MPI and Gloo
+controllers, a byte codec and none. docs/reliability.md ("Ranks that stop early") is the table
+these keep true; someone outside the job is tests/test_outsider.py's.
 
 Each failed on the code before (checked on 488e5e8, the tests and scripts copied over it):
 flush() then join() hung until the launcher's timeout; join() with check_replicas_every or auto
 was refused with a ValueError; Horovod's own hvd.join() and a rank that leaves the loop left the
-other rank waiting for PIPESGD_TIMEOUT (600 s) with no output; no stall warning appeared; the
-foreign client's forged board entry has nothing to be refused by (no board, no secret)."""
+other rank waiting for PIPESGD_TIMEOUT (600 s) with no output; no stall warning appeared."""
 import re
 
 import pytest
