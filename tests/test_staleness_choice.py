@@ -98,7 +98,7 @@ def test_auto_says_what_it_chose_and_what_that_cost():
 
 def test_split_batch_says_that_two_calls_make_an_update():
     _, advice = _build(lambda p: torch.optim.AdamW(p, lr=1e-3), correction="split_batch")
-    assert len(advice) == 1 and "two calls of step() make one update" in advice[0]
+    assert len(advice) == 1 and "two optimizer steps make one update" in advice[0]
     assert "half the updates, each of twice the batch" in advice[0]
 
 

@@ -82,9 +82,9 @@ def advice(family: Optional[str], optimizer_name: str, width: Any, correction: O
     of two calls (what a call and a batch mean change), and when an optimizer of Adam's kin runs
     pipelined without the accurate mode (the measured gap, and the fix)."""
     if calls_per_update == 2:
-        return (f"pipesgd_hvd: staleness_correction={correction!r}: two calls of step() make one update (a "
-                f"look-ahead half and a fresh half of the batch), so {HOW_TO_SPLIT}. A loop left as it was makes half "
-                "the updates, each of twice the batch.")
+        return (f"pipesgd_hvd: staleness_correction={correction!r}: two optimizer steps make one update (PyTorch's "
+                f"step(), Keras's train steps: a look-ahead half and a fresh half of the batch), so {HOW_TO_SPLIT}. A "
+                "loop left as it was makes half the updates, each of twice the batch.")
     if width == 1 or family not in MEASURED:
         return None
     metric, gaps = MEASURED[family]
