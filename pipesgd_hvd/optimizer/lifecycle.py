@@ -79,14 +79,17 @@ class Lifecycle:
         self._comm_factory = comm_factory
         self._held: List[Any] = [None]  # the engine, where a finalizer can see it without holding self
         self.names = list(names)
-        self.width, self._codec_template = options.initial()
+        # ``compression``: the option as given (or as the auto mode chose it); each engine resolves
+        # its own codec from it (a codec is stateful: error-feedback residuals).
+        self.width, self.compression = options.initial()
+        codec = resolve_compression(self.compression)
         # Under Horovod elastic a joining worker builds its optimizer while the others sync, so it
         # issues no collective here; the pipeline is built again, checked, in elastic_sync().
         joining = elastic_rule.is_elastic_job()
         self._name = provisional_name() if joining else agree_pipeline_name(comm)
-        self.topology: Optional[Topology] = None if joining else self._new_topology()
+        self.topology: Optional[Topology] = None if joining else self._new_topology(codec)
         self.hierarchical = True  # byte codecs use the topology where there is one (the auto mode may say no)
-        self._set_engine(self._new_engine(check_ranks=not joining))
+        self._set_engine(self._new_engine(check_ranks=not joining, codec=codec))
         self.auto_controller = None if options.auto is None else \
             AutoController(options.auto, comm, self.ops, rebuild=weak_method(self._switch), topology=self.topology,
                            choose_hierarchy=options.hierarchical is None, node_dtype=options.node_dtype())
@@ -110,19 +113,19 @@ class Lifecycle:
     def stats(self) -> WireStats:
         return self.engine.stats
 
-    def _new_engine(self, first_step: int = 0, check_ranks: bool = True) -> Engine:
-        codec = resolve_compression(self._codec_template)
+    def _new_engine(self, first_step: int = 0, check_ranks: bool = True, codec: Optional[Codec] = None) -> Engine:
+        codec = resolve_compression(self.compression) if codec is None else codec
         on = self.topology is not None and self.hierarchical and not codec.summable
         hierarchical = self.options.node_dtype() if on else None
         config = self.options.config(self._name, width=self.width, hierarchical=hierarchical)
         return self.build_engine(config, codec, first_step=first_step, check_ranks=check_ranks)
 
-    def _new_topology(self) -> Optional[Topology]:
+    def _new_topology(self, codec: Optional[Codec] = None) -> Optional[Topology]:
         """The node groups of hierarchical reductions, where ``hierarchical`` asks for them and a
         byte codec may run (a fixed codec, or the auto mode's choice); None otherwise. Collective
         where it builds them; every rank decides alike, from the same options."""
         auto = self.options.auto
-        codec = resolve_compression(self._codec_template)
+        codec = resolve_compression(self.compression) if codec is None else codec
         plain = (auto is None or auto.compression is not None) and codec.summable  # no stage to split
         return resolve_topology(self.options.hierarchical, self.comm, name=f"{self._name}.topology",
                                 settings=(codec.name, None if auto is None else auto.compression), wanted=not plain)
@@ -144,7 +147,7 @@ class Lifecycle:
         ``hierarchical``: a byte codec reduces over the topology."""
         old = self.engine
         old.close()
-        self.width, self._codec_template, self.hierarchical = width, compression, hierarchical
+        self.width, self.compression, self.hierarchical = width, compression, hierarchical
         self._name = f"{self._name.split('.auto')[0]}.auto{old.step}"
         self._set_engine(self._new_engine(first_step=old.step))
         self.engine.stats = old.stats
