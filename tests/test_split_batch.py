@@ -121,7 +121,12 @@ def assert_same(got, want):
         assert torch.equal(g, w), (g - w).abs().max()
 
 
-@pytest.mark.parametrize("make_inner", [sgd, adamw], ids=["sgd-momentum", "adamw"])
+def rmsprop(params):
+    """No stateless form (torch/tensors.py's StatelessStep): the look-ahead saves and restores the state."""
+    return torch.optim.RMSprop(params, lr=0.01, momentum=0.5)
+
+
+@pytest.mark.parametrize("make_inner", [sgd, adamw, rmsprop], ids=["sgd-momentum", "adamw", "rmsprop-saved-state"])
 @pytest.mark.parametrize("calls", [CALLS, CALLS + 1], ids=["ends-after-a", "ends-after-b"])
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_split_batch_matches_the_reference_rule(make_inner, calls, ranks):
@@ -129,6 +134,19 @@ def test_split_batch_matches_the_reference_rule(make_inner, calls, ranks):
     want = reference(make_inner, batches, calls, ranks)
     for weights in got:
         assert_same(weights, want)
+
+
+def test_the_look_ahead_of_sgd_and_adam_copies_no_optimizer_state():
+    """Their look-ahead is torch's own functional step on one parameter's state at a time: the
+    optimizer's state is never saved whole (the reference rule above, bit for bit, shows the
+    weights are as the saving path makes them)."""
+    for make_inner, stateless in ((sgd, True), (adamw, True), (rmsprop, False)):
+        model = make_model()
+        opt = psgd.DistributedOptimizer(make_inner(model.parameters()), named_parameters=model.named_parameters(),
+                                        communicator=LocalWorld(1, TORCH_OPS).communicator(0),
+                                        staleness_correction="split_batch")
+        correction = opt.core.correction
+        assert (correction.stateless is not None, correction.snapshot is None) == (stateless, stateless)
 
 
 def test_split_batch_is_not_plain_width_2_nor_acco():

@@ -239,6 +239,10 @@ class KerasSide:
                          beta1=float(opt.beta_1), beta2=float(opt.beta_2), eps=float(opt.epsilon),
                          decoupled_weight_decay=decay, eps_on_raw_v=True)
 
+    def look_ahead_step(self) -> None:
+        """Keras's optimizers have no stateless form: a look-ahead saves and restores their variables."""
+        return None
+
     def optimizer_snapshot(self) -> "KerasOptimizerSnapshot":
         optimizer = self._optimizer()
         if optimizer is None:

@@ -310,23 +310,27 @@ class OptimizerCore(Lifecycle):
 
     def updating(self) -> ContextManager[Any]:
         """Wraps the wrapped optimizer's step of the synchronized call: the correction's
-        moments around it, and the call is over afterwards."""
+        moments around it, and the call is over afterwards. Yields None, or the stateless step
+        to run instead of the ordinary one (a look-ahead's)."""
         if not self._synchronized:
             raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
         return self._updating(self._call)
 
     @contextlib.contextmanager
-    def _updating(self, call: Optional[Call]) -> Iterator[None]:
+    def _updating(self, call: Optional[Call]) -> Iterator[Any]:
+        """Yields the framework's stateless step where this update is a look-ahead that must
+        leave the optimizer's state alone (the framework runs it instead of the ordinary step),
+        else None."""
         self._synchronized = self._apply_pending = False
         self._call = None
         correction = self.correction
         if call is None or type(correction) is Correction:  # nothing to wrap
-            yield
+            yield None
             return
         with self.adapter.weights_guard():
             wrapper = correction.around_update(call)
-        with wrapper:
-            yield
+        with wrapper as stateless:
+            yield stateless
         with self.adapter.weights_guard():
             correction.after_update(call)
 
@@ -400,8 +404,8 @@ class OptimizerCore(Lifecycle):
             self._last_membership = in_flight[-1].membership
         applied_count = 0
         if self._apply_pending:  # synchronize() ran, step() not yet: that update first (written)
-            with self._updating(self._call):
-                self.adapter.apply(None, False)
+            with self._updating(self._call) as stateless:
+                self.adapter.apply(None, False, stateless)
             applied_count += 1
         elif self._synchronized:
             self.no_update()

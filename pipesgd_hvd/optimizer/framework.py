@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol
 from ..ops.base import MutableTensorOps, Tensor, TensorOps
 from ..pipeline.fusion import TensorSpec
 from ..staleness.prediction import AdamState
-from ..staleness.correction import OptimizerSnapshot
+from ..staleness.correction import OptimizerSnapshot, StatelessStep
 
 
 class FrameworkSide(Protocol):
@@ -36,6 +36,9 @@ class FrameworkSide(Protocol):
     def optimizer_snapshot(self) -> OptimizerSnapshot:
         """The wrapped optimizer's state saved and put back around a look-ahead's virtual update
         (:mod:`pipesgd_hvd.staleness.split_batch`, :mod:`pipesgd_hvd.staleness.acco`)."""
+    def look_ahead_step(self) -> Optional[StatelessStep]:
+        """The wrapped optimizer's step without a change of its state, where the framework can
+        make one (no copy of the state then); None: the snapshot above is used."""
 
 
 class TrainingAdapter(FrameworkSide, Protocol):
@@ -51,12 +54,12 @@ class TrainingAdapter(FrameworkSide, Protocol):
     def has_local_gradient(self, index: int) -> bool: ...
     def local_gradient(self, index: int) -> Tensor:
         """This rank's gradient of the tensor (it has one), checked and dense."""
-    def apply(self, update: Any, check_finite: bool) -> bool:
+    def apply(self, update: Any, check_finite: bool, stateless: Any = None) -> bool:
         """Writes ``update`` (an :class:`~pipesgd_hvd.optimizer.core.Update`; None: the gradients
-        are written already) where the wrapped optimizer reads it and runs its step; with
-        ``check_finite`` skips the step where a gradient is not finite (a loss scale's overflow at
-        ``flush()``). Returns whether the step ran. The rarer paths only (flush, join, exit): the
-        framework drives the steady steps itself."""
+        are written already) where the wrapped optimizer reads it and runs its step (``stateless``:
+        that step instead, a look-ahead's); with ``check_finite`` skips the step where a gradient
+        is not finite (a loss scale's overflow at ``flush()``). Returns whether the step ran. The
+        rarer paths only (flush, join, exit): the framework drives the steady steps itself."""
     def loss_scale(self) -> Any:
         """The AMP loss scale now (None without one): a float, or a 0-d tensor on the device
         where the framework keeps it (the ratio of two scales is then computed there, no sync)."""

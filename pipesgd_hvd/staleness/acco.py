@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..ops.base import Tensor
 from .conds import Flag, and_, maybe, not_, or_, select, zeros_like
-from .correction import Call, Correction, CorrectionContext, Grads
+from .correction import Call, Correction, CorrectionContext, Grads, StatelessStep
 
 Cond = Any   # a Python bool, or a traced boolean tensor
 
@@ -61,7 +61,10 @@ class Acco(Correction):
     def __init__(self, context: CorrectionContext) -> None:
         super().__init__(context)
         ops = self.ops
-        self.snapshot = context.framework.optimizer_snapshot()
+        # A look-ahead's step: the framework's own stateless one where it has it (no copy of the
+        # optimizer's state), else the ordinary step between a save and a restore of the state.
+        self.stateless = context.framework.look_ahead_step()
+        self.snapshot = context.framework.optimizer_snapshot() if self.stateless is None else None
         self.real: List[Tensor] = [ops.new_state(ops.read(w)) for w in self.weights]
         self.first_half: List[Tensor] = [ops.new_state(zeros_like(ops, ops.read(w))) for w in self.weights]
         self.active = Flag(ops, self.eager)  # the weights hold the look-ahead ~theta_{t+1}
@@ -106,17 +109,20 @@ class Acco(Correction):
         return out
 
     @contextlib.contextmanager
-    def around_update(self, call: Call) -> Iterator[None]:
-        """The optimizer's state is saved before a virtual update and put back after it (the
-        weights keep the update: they are the look-ahead)."""
+    def around_update(self, call: Call) -> Iterator[Optional[StatelessStep]]:
+        """A virtual update leaves the optimizer's state as it was (the weights keep the update:
+        they are the look-ahead): the framework's stateless step, or a save and a restore."""
         if self._pending is None:
             raise RuntimeError("around_update() without before_update() first")
         virtual, active_after = self._pending
-        if maybe(virtual):
-            self.snapshot.save(virtual)
-        yield
-        if maybe(virtual):
-            self.snapshot.restore(virtual)
+        if self.snapshot is None:
+            yield self.stateless if virtual is True else None
+        else:
+            if maybe(virtual):
+                self.snapshot.save(virtual)
+            yield None
+            if maybe(virtual):
+                self.snapshot.restore(virtual)
         self.active.set(active_after)
         self._pending = None
 

@@ -52,6 +52,12 @@ class OptimizerSnapshot(Protocol):
     def restore(self, when: Cond) -> None: ...
 
 
+class StatelessStep(Protocol):
+    """The wrapped optimizer's step that leaves its state as it was (a look-ahead's)."""
+
+    def step_(self) -> None: ...
+
+
 class FrameworkAccess(Protocol):
     """What a correction may ask of the framework, once, when it is built (``optimizer/framework.py``'s
     ``FrameworkSide`` implements it)."""
@@ -59,6 +65,9 @@ class FrameworkAccess(Protocol):
     def check_adam_support(self) -> None: ...
     def adam_state(self, index: int) -> Any: ...
     def optimizer_snapshot(self) -> OptimizerSnapshot: ...
+    def look_ahead_step(self) -> Optional[StatelessStep]:
+        """The optimizer's step without a change of its state, where the framework can make one
+        (None: a look-ahead saves and puts back the state around the ordinary step)."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +165,10 @@ class Correction:  # noqa: B024 - the identity is usable as it is
         gradients the pipeline hands this call (``call.applies``: there are any)."""
         return grads, call.applies
 
-    def around_update(self, call: Call) -> ContextManager[Any]:
-        """Wraps the wrapped optimizer's update of this call."""
+    def around_update(self, call: Call) -> ContextManager[Optional[StatelessStep]]:
+        """Wraps the wrapped optimizer's update of this call; yields the framework's
+        :class:`StatelessStep` when this update must leave the optimizer's state alone and the
+        framework can make such a step (it runs that instead of its ordinary step), else None."""
         return contextlib.nullcontext()
 
     def after_update(self, call: Call) -> None:

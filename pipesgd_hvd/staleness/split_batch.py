@@ -28,10 +28,11 @@ The first pair computes its A part at the real weights (no look-ahead yet) and a
 call A. ``flush()`` applies what is in flight (the real step of update t), or, after a call A, the
 kept part as an update of its own (nothing computed is lost).
 
-Costs: one copy of the weights (theta aside while the model holds the look-ahead), one of the
-gradients (this rank's sum, kept between the calls), and the optimizer's state saved and put back
-around the look-ahead's step; per update one more optimizer step (the look-ahead's), and one
-all-reduce of the whole gradient. Comm-bound, an update takes max((1 - f) compute, all-reduce) +
+Costs: one copy of the weights (theta aside while the model holds the look-ahead) and one of the
+gradients (this rank's sum, kept between the calls); the look-ahead's step leaves the optimizer's
+state alone, by the framework's stateless step where it has one (PyTorch's SGD, Adam, AdamW), else
+by saving the state and putting it back (one copy of it). Per update one more optimizer step (the
+look-ahead's), and one all-reduce of the whole gradient. Comm-bound, an update takes max((1 - f) compute, all-reduce) +
 f compute.
 
 Written once over :class:`~pipesgd_hvd.ops.base.TensorOps`: Python bools where PyTorch's core
@@ -45,7 +46,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..ops.base import Tensor
 from .conds import Flag, and_, maybe, not_, or_, select
-from .correction import Call, Correction, CorrectionContext, Grads
+from .correction import Call, Correction, CorrectionContext, Grads, StatelessStep
 
 Cond = Any
 
@@ -79,7 +80,10 @@ class SplitBatch(Correction):
         super().__init__(context)
         ops = self.ops
         self.fresh = check_fresh_fraction(getattr(context.options, "fresh_fraction", DEFAULT_FRESH_FRACTION))
-        self.snapshot = context.framework.optimizer_snapshot()
+        # A look-ahead's step: the framework's own stateless one where it has it (no copy of the
+        # optimizer's state), else the ordinary step between a save and a restore of the state.
+        self.stateless = context.framework.look_ahead_step()
+        self.snapshot = context.framework.optimizer_snapshot() if self.stateless is None else None
         self.real: List[Tensor] = [ops.new_state(ops.read(w)) for w in self.weights]
         self.local: List[Tensor] = [ops.new_state(ops.read(w) * 0.0) for w in self.weights]
         self.second = Flag(ops, self.eager)   # a part A is kept; the next call is part B
@@ -176,12 +180,16 @@ class SplitBatch(Correction):
         return out, or_(ops, call.applies, virtual)
 
     @contextlib.contextmanager
-    def around_update(self, call: Call) -> Iterator[None]:
-        """The look-ahead's step leaves the optimizer's state as it found it."""
+    def around_update(self, call: Call) -> Iterator[Optional[StatelessStep]]:
+        """The look-ahead's step leaves the optimizer's state as it found it: the framework's
+        stateless step, or a save and a restore around its ordinary one."""
         virtual = self._virtual
+        if self.snapshot is None:
+            yield self.stateless if virtual is True else None
+            return
         if maybe(virtual):
             self.snapshot.save(virtual)
-        yield
+        yield None
         if maybe(virtual):
             self.snapshot.restore(virtual)
 

@@ -180,7 +180,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not core.apply_pending:
             core.no_update()
             return None
-        with core.updating():
+        with core.updating() as stateless:
+            if stateless is not None:  # a look-ahead: the optimizer's step without a change of its state
+                stateless.step_()
+                return None
             return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
 
     def flush(self, check_steps: bool = True) -> int:

@@ -7,6 +7,8 @@ import weakref
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from torch.optim.adam import adam as functional_adam
+from torch.optim.sgd import sgd as functional_sgd
 
 from ..ops.torch import TORCH_OPS, dtype_name
 from ..pipeline.fusion import TensorSpec
@@ -107,12 +109,15 @@ class TorchAdapter:
             else:
                 p.grad = g.detach() if mine and g.dtype == p.dtype and g.device == p.device else g.detach().clone()
 
-    def apply(self, update: Any, check_finite: bool) -> bool:
+    def apply(self, update: Any, check_finite: bool, stateless: Any = None) -> bool:
         if update is not None:
             self.write(update)
         if check_finite and not self.gradients_finite():
             return False
-        self.optimizer.step()
+        if stateless is not None:
+            stateless.step_()
+        else:
+            self.optimizer.step()
         return True
 
     def gradients_finite(self) -> bool:
@@ -166,11 +171,80 @@ class TorchAdapter:
     def optimizer_snapshot(self) -> "OptimizerStateSnapshot":
         return OptimizerStateSnapshot(self.optimizer)
 
+    def look_ahead_step(self) -> Optional["StatelessStep"]:
+        """The wrapped optimizer's step that leaves its state alone, where torch's functional form
+        computes it (plain SGD, Adam, AdamW); None otherwise (a look-ahead then saves and puts
+        back the optimizer's state around its ordinary step)."""
+        return StatelessStep.for_optimizer(self.optimizer)
+
     def optimizer_state_dict(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()
 
     def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+class StatelessStep:
+    """A look-ahead's step without a copy of the optimizer's state: for each parameter with a
+    gradient, torch's own functional update (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``,
+    what ``step()`` calls with the group's settings) on copies of that parameter's state only,
+    so the weights move exactly as ``step()`` would move them and the state stays as it was. At
+    most one parameter's state is copied at a time, where saving the whole state costs Adam two
+    copies of the weights. Only the classes themselves (a subclass may step otherwise), without
+    complex, differentiable, capturable or fused settings."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @classmethod
+    def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> Optional["StatelessStep"]:
+        if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+            return None
+        for group in optimizer.param_groups:
+            if group.get("differentiable") or group.get("capturable") or group.get("fused"):
+                return None
+            if any(torch.is_complex(p) for p in group["params"]):
+                return None
+        return cls(optimizer)
+
+    @torch.no_grad()
+    def step_(self) -> None:
+        opt = self.optimizer
+        adam = not isinstance(opt, torch.optim.SGD)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = opt.state.get(p, {})
+                if adam:
+                    self._adam(group, p, state)
+                else:
+                    self._sgd(group, p, state)
+
+    def _adam(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any]) -> None:
+        def copy_or_zeros(key: str) -> torch.Tensor:
+            kept = state.get(key)
+            return kept.clone() if kept is not None else torch.zeros_like(p, memory_format=torch.preserve_format)
+
+        step = state["step"].clone() if "step" in state else torch.tensor(0.0, dtype=torch.get_default_dtype())
+        beta1, beta2 = group["betas"]
+        functional_adam([p], [p.grad], [copy_or_zeros("exp_avg")], [copy_or_zeros("exp_avg_sq")],
+                              [copy_or_zeros("max_exp_avg_sq")] if group["amsgrad"] else [], [step],
+                              amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+                              weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                              foreach=group["foreach"], capturable=False, differentiable=False, fused=None,
+                              grad_scale=getattr(self.optimizer, "grad_scale", None),
+                              found_inf=getattr(self.optimizer, "found_inf", None),
+                              decoupled_weight_decay=group.get("decoupled_weight_decay", False))
+
+    def _sgd(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any]) -> None:
+        kept = state.get("momentum_buffer")
+        functional_sgd([p], [p.grad], [None if kept is None else kept.clone()],
+                            weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+                            dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"],
+                            has_sparse_grad=p.grad.is_sparse, foreach=group["foreach"], fused=None,
+                            grad_scale=getattr(self.optimizer, "grad_scale", None),
+                            found_inf=getattr(self.optimizer, "found_inf", None))
 
 
 class OptimizerStateSnapshot:
