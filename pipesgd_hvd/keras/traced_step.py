@@ -1,25 +1,23 @@
 """A Keras optimizer's pipeline: the shared life cycle around TensorFlow's traced executor.
 
 :class:`KerasCore` is :class:`~pipesgd_hvd.optimizer.lifecycle.Lifecycle` (name, auto mode,
-weight prediction, checkpoint entry, elastic) over a
+staleness correction, checkpoint entry, elastic) over a
 :class:`~pipesgd_hvd.keras.traced_engine.TracedEngine`, plus the graph ops of one step: the
-replica check, the exchange, and weight prediction around the wrapped optimizer's update. The
+replica check, the exchange, and the correction's moments around the wrapped optimizer's update
+(the same as PyTorch's core, ``optimizer/core.py``). The Keras side the correction reaches (the
+variables, the optimizer's state) is :class:`~pipesgd_hvd.keras.framework_side.KerasSide`. The
 auto mode needs Python between steps: ``after_steps()`` runs it, called by pipesgd_hvd's Keras
 callbacks after each batch of ``model.fit`` (any of them) or by an eager ``apply_gradients``;
 when it rebuilds the pipeline, the train function must be traced again.
 """
 from __future__ import annotations
 
-import contextlib
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import keras
 import tensorflow as tf
 
 from ..comm.base import Communicator
 from ..compression.codecs import Codec
-from ..ops.tensorflow import TensorFlowOps
 from ..optimizer import checkpoint
 from ..optimizer.lifecycle import Lifecycle
 from ..optimizer.options import OptimizerOptions
@@ -27,7 +25,7 @@ from ..pipeline.config import PipelineConfig
 from ..pipeline.engine import AppliedStep
 from ..pipeline.fusion import TensorSpec
 from ..staleness.correction import Call
-from ..staleness.prediction import AdamState
+from .framework_side import KerasSide
 from .traced_guards import ReplicaCheck, StepProgress
 from .traced_engine import TracedEngine
 
@@ -51,8 +49,8 @@ class KerasCore(Lifecycle):
 
     def __init__(self, options: OptimizerOptions, variables: Sequence[Any], comm: Communicator,
                  optimizer: Optional[Any] = None) -> None:
-        """``optimizer``: the wrapped Keras optimizer (held weakly: it owns this core), whose
-        moments ``staleness_correction="adam_prediction"`` reads."""
+        """``optimizer``: the wrapped Keras optimizer (held weakly: it owns this core), whose state
+        the staleness correction may read or save."""
         self.variables = list(variables)
         self.specs = [TensorSpec(variable_name(v), tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
                       for v in self.variables]
@@ -203,83 +201,3 @@ class KerasCore(Lifecycle):
 
     def close(self) -> None:
         self.engine.close()
-
-
-class KerasSide:
-    """Keras's :class:`~pipesgd_hvd.optimizer.framework.FrameworkSide`: the trainable variables and
-    the wrapped Keras optimizer (held weakly: it owns the core that holds this)."""
-
-    def __init__(self, variables: Sequence[Any], optimizer: Optional[Any]) -> None:
-        self.ops = TensorFlowOps()
-        self.variables = list(variables)
-        self._optimizer = (lambda: None) if optimizer is None else weakref.ref(optimizer)
-
-    weights_guard = contextlib.nullcontext  # variables are assigned as they are
-
-    def weights(self) -> List[Any]:
-        return self.variables
-
-    def check_adam_support(self) -> None:
-        optimizer = self._optimizer()
-        if not isinstance(optimizer, keras.optimizers.Adam):  # AdamW is one too
-            raise ValueError("staleness_correction='adam_prediction' predicts with Adam's own next step, but the "
-                             f"wrapped optimizer is {type(optimizer).__name__}: wrap keras.optimizers.Adam or AdamW, "
-                             "or use staleness_correction='weight_prediction'")
-
-    def adam_state(self, index: int) -> Optional[AdamState]:
-        """Keras 3's Adam (``update_step``): moments by variable index, ``iterations`` updates
-        done, eps added to sqrt(v), weight decay decoupled (``_apply_weight_decay``) for Adam and
-        AdamW alike, where ``_use_weight_decay`` says so."""
-        opt, variable = self._optimizer(), self.variables[index]
-        i = opt._get_variable_index(variable)
-        v = opt._velocity_hats[i] if opt.amsgrad else opt._velocities[i]
-        decay = float(opt.weight_decay or 0.0) if opt._use_weight_decay(variable) else 0.0
-        return AdamState(m=tf.convert_to_tensor(opt._momentums[i]), v=tf.convert_to_tensor(v),
-                         step=tf.cast(opt.iterations, tf.float32), lr=tf.cast(opt.learning_rate, tf.float32),
-                         beta1=float(opt.beta_1), beta2=float(opt.beta_2), eps=float(opt.epsilon),
-                         decoupled_weight_decay=decay, eps_on_raw_v=True)
-
-    def look_ahead_step(self) -> None:
-        """Keras's optimizers have no stateless form: a look-ahead saves and restores their variables."""
-        return None
-
-    def optimizer_snapshot(self) -> "KerasOptimizerSnapshot":
-        optimizer = self._optimizer()
-        if optimizer is None:
-            raise ValueError("staleness_correction='split_batch' needs the wrapped Keras optimizer (KerasCore's "
-                             "optimizer argument)")
-        return KerasOptimizerSnapshot(optimizer)
-
-
-class KerasOptimizerSnapshot:
-    """The wrapped Keras optimizer's variables (iterations, learning rate, moments), saved before
-    the split-batch rule's virtual update and put back after it (:mod:`pipesgd_hvd.staleness.split_batch`):
-    Keras builds them all before the first update, so a copy of each is the whole state."""
-
-    def __init__(self, optimizer: Any) -> None:
-        with tf.init_scope():
-            self.variables = list(optimizer.variables)
-            # Zeros of each variable's shape, not its value: model.fit builds the optimizer in a
-            # symbolic pass where the values are placeholders of shape (0,) (a copy of one kept
-            # that shape, and the first save() failed). save() writes them before any use.
-            self.saved = [tf.Variable(tf.zeros(tuple(v.shape), tf.as_dtype(v.dtype)), trainable=False,
-                                      name="pipesgd_optimizer_saved") for v in self.variables]
-
-    def save(self, when: Any) -> None:
-        _copy_where(when, self.variables, self.saved)
-
-    def restore(self, when: Any) -> None:
-        _copy_where(when, self.saved, self.variables)
-
-
-def _copy_where(when: Any, sources: Sequence[Any], targets: Sequence[Any]) -> None:
-    def copy() -> tf.Tensor:
-        for source, target in zip(sources, targets):
-            target.assign(tf.convert_to_tensor(source))
-        return tf.constant(True)
-
-    if isinstance(when, bool):
-        if when:
-            copy()
-        return
-    tf.cond(when, copy, lambda: tf.constant(False))

@@ -106,7 +106,18 @@ def read(outer: Mapping[str, Any]) -> Tuple[Optional[Dict[str, Any]], Dict[str, 
     elif version != FORMAT:
         raise ValueError(f"not a pipesgd_hvd checkpoint entry this version reads (format {version!r}; this "
                          f"version reads 1 and {FORMAT}): save it again with this version")
-    return entry, rest
+    return _prediction_as_correction(entry), rest
+
+
+def _prediction_as_correction(entry: Dict[str, Any]) -> Dict[str, Any]:
+    """Weight prediction's state was a part of its own ("prediction", kind-less) before every
+    correction's was one part ("corrections", with its kind): read as the latter."""
+    saved = entry.get("prediction")
+    if saved is None or entry.get("corrections") is not None:
+        return entry
+    corrections = {"kind": "weight_prediction", **saved,
+                   "real_weights": saved["current"] if saved.get("started") else None}
+    return {**entry, "prediction": None, "corrections": corrections}
 
 
 def check_resumable(saved: Sequence[Sequence[Any]], mine: List[Tuple[str, Any]]) -> None:

@@ -311,15 +311,15 @@ class OptimizerCore(Lifecycle):
     def updating(self) -> ContextManager[Any]:
         """Wraps the wrapped optimizer's step of the synchronized call: the correction's
         moments around it, and the call is over afterwards. Yields None, or the stateless step
-        to run instead of the ordinary one (a look-ahead's)."""
+        to run instead of the ordinary one (an update that leaves the optimizer's state alone)."""
         if not self._synchronized:
             raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
         return self._updating(self._call)
 
     @contextlib.contextmanager
     def _updating(self, call: Optional[Call]) -> Iterator[Any]:
-        """Yields the framework's stateless step where this update is a look-ahead that must
-        leave the optimizer's state alone (the framework runs it instead of the ordinary step),
+        """Yields the framework's stateless step where this update must leave the optimizer's
+        state alone (the framework runs it instead of the ordinary step),
         else None."""
         self._synchronized = self._apply_pending = False
         self._call = None
@@ -486,8 +486,8 @@ class OptimizerCore(Lifecycle):
     # ------------------------------------------------------------------------ real weights
     @contextlib.contextmanager
     def real_weights(self) -> Iterator[None]:
-        """The real weights inside the block, the prediction (or the look-ahead) again after it
-        (bit for bit)."""
+        """The real weights inside the block, and after it again the weights the correction keeps
+        in the model between calls, bit for bit."""
         with self.adapter.weights_guard():
             token = self.correction.show_real()
         try:

@@ -186,13 +186,8 @@ class Lifecycle:
         """After the model's weights (and the wrapped optimizer's state) were loaded: the
         correction's state, or a fresh start that applies the in-flight averages as they are.
         A checkpoint saved with another correction whose model held other weights than the real
-        ones (a prediction, a look-ahead) gets its real weights back."""
+        ones gets its real weights back."""
         saved = None if entry is None else entry.get("corrections")
-        if saved is None and entry is not None and entry.get("prediction") is not None:
-            # written before every correction's state was one entry: weight prediction's, kind-less
-            saved = {"kind": "weight_prediction", **entry["prediction"]}
-            if saved.get("started"):
-                saved["real_weights"] = saved["current"]
         with self.framework.weights_guard():
             self.correction.load_state_dict(saved, self.names)
             if saved is not None and saved.get("kind") != self.correction.name and saved.get("real_weights"):
@@ -206,8 +201,9 @@ class Lifecycle:
             raise ValueError("Horovod elastic (TorchState, KerasState) does not support width='auto' or "
                              "compression='auto' yet: pass a fixed width and compression")
         if not self.correction.elastic:
+            runs = " / ".join(repr(name) for name, cls in corrections.CORRECTIONS.items() if cls.elastic)
             raise ValueError(f"Horovod elastic (TorchState, KerasState) does not support "
-                             f"staleness_correction={self.correction.name!r} yet: use 'split_batch' or none")
+                             f"staleness_correction={self.correction.name!r} yet: use {runs} or none")
 
     def elastic_restore(self, entry: Optional[Dict[str, Any]]) -> None:
         """After HorovodInternalError (a worker was lost): drop what is in flight, unwaited, and
