@@ -102,8 +102,16 @@ def test_split_batch_says_that_two_calls_make_an_update():
     assert "half the updates, each of twice the batch" in advice[0]
 
 
-@pytest.mark.parametrize("make, options", [(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), {}),
+def test_sgd_pipelined_is_told_what_the_study_lost_at_4_ranks():
+    _, advice = _build(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert len(advice) == 1 and "'weight_prediction' (chosen by 'auto')" in advice[0]
+    assert "up to 70 points lower at 4" in advice[0] and "staleness_correction='split_batch'" in advice[0]
+    _, advice = _build(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), width="auto")
+    assert len(advice) == 1 and "width='auto' (which may pipeline it)" in advice[0]
+
+
+@pytest.mark.parametrize("make, options", [(lambda p: torch.optim.Rprop(p, lr=1e-3), {}),
                                            (lambda p: torch.optim.AdamW(p, lr=1e-3), {"width": 1})],
-                         ids=["sgd", "adamw-synchronous"])
+                         ids=["unmeasured-family", "adamw-synchronous"])
 def test_no_advice_where_nothing_is_known_to_be_lost(make, options):
     assert _build(make, correction=False, **options)[1] == []
