@@ -43,13 +43,14 @@ import contextlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..ops.base import Tensor
-from .conds import Flag, and_, maybe, not_, or_, select, zeros_like
-from .correction import Call, Correction, CorrectionContext, Grads, StatelessStep
+from .conds import and_, maybe, not_, or_, select, zeros_like
+from .correction import Call, CorrectionContext, Grads, StatelessStep
+from .look_ahead import LookAheadCorrection
 
 Cond = Any   # a Python bool, or a traced boolean tensor
 
 
-class Acco(Correction):
+class Acco(LookAheadCorrection):
     """The rule's state and its moments in a call (see the module docstring): before the update
     a virtual step keeps theta_t and avg A aside, a real step writes theta_t back and applies the
     mean of both halves; around a virtual update the optimizer's state is saved and put back."""
@@ -61,15 +62,8 @@ class Acco(Correction):
     def __init__(self, context: CorrectionContext) -> None:
         super().__init__(context)
         ops = self.ops
-        # A look-ahead's step: the framework's own stateless one where it has it (no copy of the
-        # optimizer's state), else the ordinary step between a save and a restore of the state.
-        self.stateless = context.framework.look_ahead_step()
-        self.snapshot = context.framework.optimizer_snapshot() if self.stateless is None else None
-        self.real: List[Tensor] = [ops.new_state(ops.read(w)) for w in self.weights]
         self.first_half: List[Tensor] = [ops.new_state(zeros_like(ops, ops.read(w))) for w in self.weights]
-        self.active = Flag(ops, self.eager)  # the weights hold the look-ahead ~theta_{t+1}
-        self._pending: Optional[Tuple[Cond, Cond]] = None  # (virtual, active after the update)
-        self._aside: Optional[List[Tensor]] = None  # the look-ahead while show_real() shows theta_t
+        self._pending: Optional[Tuple[Cond, Cond]] = None  # (virtual, ahead after the update)
 
     @classmethod
     def refusal(cls, options: Any, grad_scaler: bool) -> Optional[str]:
@@ -90,7 +84,7 @@ class Acco(Correction):
         return self._gradients(grads, call.stale), call.applies
 
     def _gradients(self, avg: Grads, stale: Cond) -> Grads:
-        ops, active = self.ops, self.active.get()
+        ops, active = self.ops, self.ahead.get()
         virtual, real = and_(ops, stale, not_(ops, active)), and_(ops, stale, active)
         # after the update: a virtual step leaves the look-ahead in the weights, a real one not
         self._pending = (virtual, or_(ops, virtual, and_(ops, active, not_(ops, stale))))
@@ -114,16 +108,10 @@ class Acco(Correction):
         they are the look-ahead): the framework's stateless step, or a save and a restore."""
         if self._pending is None:
             raise RuntimeError("around_update() without before_update() first")
-        virtual, active_after = self._pending
-        if self.snapshot is None:
-            yield self.stateless if virtual is True else None
-        else:
-            if maybe(virtual):
-                self.snapshot.save(virtual)
-            yield None
-            if maybe(virtual):
-                self.snapshot.restore(virtual)
-        self.active.set(active_after)
+        virtual, ahead_after = self._pending
+        with self.state_kept(virtual) as stateless:
+            yield stateless
+        self.ahead.set(ahead_after)
         self._pending = None
 
     def after_update(self, call: Call) -> None:
@@ -138,48 +126,23 @@ class Acco(Correction):
         it is. The update that follows is an ordinary one."""
         out = self._gradients(grads, True)
         self._pending = None
-        self.active.set(False)
+        self.ahead.set(False)
         self._aside = None
         return out
 
-    # ---------------------------------------------------------------------- the real weights
-    def holds_other_weights(self) -> bool:
-        return self.active.is_set()
-
-    def real_values(self) -> List[Tensor]:
-        ops, other = self.ops, self.active.get()
-        return [select(ops, other, ops.read(kept), ops.read(w)) for w, kept in zip(self.weights, self.real)]
-
-    def show_real(self) -> Optional[List[Tensor]]:
-        if not self.active.is_set():
-            return None
-        ops = self.ops
-        look_ahead = [ops.new_state(ops.read(w)) for w in self.weights]
-        for w, kept in zip(self.weights, self.real):
-            ops.assign(w, ops.read(kept))
-        self._aside = look_ahead
-        return look_ahead
-
-    def show_back(self, token: Optional[List[Tensor]]) -> None:
-        self._aside = None
-        if token is not None and self.active.is_set():
-            for w, ahead in zip(self.weights, token):
-                self.ops.assign(w, self.ops.read(ahead))
-
     # ------------------------------------------------------------------------ checkpointing
     def state(self) -> List[Tensor]:
-        return [*self.active.state(), *self.real, *self.first_half]
+        return [*self.ahead.state(), *self.real, *self.first_half]
 
     def state_dict(self, names: Sequence[str]) -> Dict[str, Any]:
         """theta_t, avg A and the look-ahead by tensor name (copies), and whether it is active
         (inside ``real_weights()`` the look-ahead is the one set aside)."""
         ops = self.ops
-        weights = self._aside if self._aside is not None else self.weights
         copy = lambda tensors: {n: ops.new_state(ops.read(t)) for n, t in zip(names, tensors)}  # noqa: E731
-        active = self.active.is_set()
+        active = self.ahead.is_set()
         real = copy(self.real)
         return {"kind": self.name, "active": active, "real": real, "first_half": copy(self.first_half),
-                "look_ahead": copy(weights), "real_weights": real if active else None}
+                "look_ahead": copy(self.shown_weights()), "real_weights": real if active else None}
 
     def load_state_dict(self, saved: Optional[Dict[str, Any]], names: Sequence[str]) -> None:
         """A look-ahead is written into the weights whether the model was saved holding it or
@@ -187,7 +150,7 @@ class Acco(Correction):
         mode): no look-ahead, and an average in flight counts as a first half."""
         ops = self.ops
         if saved is None or saved.get("kind") != self.name:
-            self.active.set(False)
+            self.ahead.set(False)
             return
         differ = sorted(set(names) ^ set(saved["real"]))
         if differ:
@@ -195,7 +158,7 @@ class Acco(Correction):
         for n, kept, first in zip(names, self.real, self.first_half):
             ops.assign(kept, saved["real"][n])
             ops.assign(first, saved["first_half"][n])
-        self.active.set(bool(saved["active"]))
+        self.ahead.set(bool(saved["active"]))
         if saved["active"]:
             for n, w in zip(names, self.weights):
                 ops.assign(w, saved["look_ahead"][n])

@@ -6,7 +6,7 @@ step about 38 times smaller than synchronous training does (docs/accuracy.md); a
 which is computed at the weights it updates keeps the synchronous threshold (ACCO, NeurIPS 2025,
 arXiv 2406.02613). ACCO reduces each half of the batch on its own (two all-reduces per update,
 :mod:`pipesgd_hvd.staleness.acco`); here each rank makes its look-ahead from its own, unreduced
-gradient, so only the update's sum crosses the network, once, behind the look-ahead half's compute.
+gradient, so only the update's sum crosses the network, once, behind the next look-ahead half's compute.
 
 Two calls make one update: a look-ahead part A of the update's batch (a share 1 - f of it), then a
 fresh part B (a share f; f = ``fresh_fraction``, 1/2 by default), each computed by one call of
@@ -46,7 +46,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..ops.base import Tensor
 from .conds import Flag, and_, maybe, not_, or_, select
-from .correction import Call, Correction, CorrectionContext, Grads, StatelessStep
+from .correction import Call, CorrectionContext, Grads, StatelessStep
+from .look_ahead import LookAheadCorrection
 
 Cond = Any
 
@@ -67,7 +68,7 @@ def check_fresh_fraction(value: Any) -> float:
     return float(value)
 
 
-class SplitBatch(Correction):
+class SplitBatch(LookAheadCorrection):
     """The rule's state between calls (see the module docstring): ``second`` (the next call is
     the fresh part B: a part A is kept), ``ahead`` (the weights hold this rank's look-ahead and
     ``real`` theta_t), and ``local``, this rank's gradient of the update being computed."""
@@ -80,20 +81,13 @@ class SplitBatch(Correction):
         super().__init__(context)
         ops = self.ops
         self.fresh = check_fresh_fraction(getattr(context.options, "fresh_fraction", DEFAULT_FRESH_FRACTION))
-        # A look-ahead's step: the framework's own stateless one where it has it (no copy of the
-        # optimizer's state), else the ordinary step between a save and a restore of the state.
-        self.stateless = context.framework.look_ahead_step()
-        self.snapshot = context.framework.optimizer_snapshot() if self.stateless is None else None
-        self.real: List[Tensor] = [ops.new_state(ops.read(w)) for w in self.weights]
         self.local: List[Tensor] = [ops.new_state(ops.read(w) * 0.0) for w in self.weights]
         self.second = Flag(ops, self.eager)   # a part A is kept; the next call is part B
-        self.ahead = Flag(ops, self.eager)    # the weights hold the look-ahead, theta_t is in ``real``
         self._virtual: Cond = False           # this call's update is the look-ahead's (set by before_update)
         self._kept: Set[int] = set()          # eagerly: tensors part A gave a gradient
         self._sent: Set[int] = set()          # eagerly, in call B: tensors handed to the pipeline
         self._kept_scale: Any = None          # eagerly: the loss scale part A was computed with
         self._ratio: Any = None               # eagerly, in call B: loss scale now / part A's, or None
-        self._aside: Optional[List[Tensor]] = None  # the look-ahead while show_real() shows theta_t
 
     @classmethod
     def refusal(cls, options: Any, grad_scaler: bool) -> Optional[str]:
@@ -183,15 +177,8 @@ class SplitBatch(Correction):
     def around_update(self, call: Call) -> Iterator[Optional[StatelessStep]]:
         """The look-ahead's step leaves the optimizer's state as it found it: the framework's
         stateless step, or a save and a restore around its ordinary one."""
-        virtual = self._virtual
-        if self.snapshot is None:
-            yield self.stateless if virtual is True else None
-            return
-        if maybe(virtual):
-            self.snapshot.save(virtual)
-        yield None
-        if maybe(virtual):
-            self.snapshot.restore(virtual)
+        with self.state_kept(self._virtual) as stateless:
+            yield stateless
 
     def after_update(self, call: Call) -> None:
         self.ahead.set(self._virtual)
@@ -232,30 +219,6 @@ class SplitBatch(Correction):
         self.ahead.set(False)
         self._kept, self._aside, self._virtual = set(), None, False
 
-    # ---------------------------------------------------------------------- the real weights
-    def holds_other_weights(self) -> bool:
-        return self.ahead.is_set()
-
-    def real_values(self) -> List[Tensor]:
-        ops, other = self.ops, self.ahead.get()
-        return [select(ops, other, ops.read(kept), ops.read(w)) for w, kept in zip(self.weights, self.real)]
-
-    def show_real(self) -> Optional[List[Tensor]]:
-        if not self.ahead.is_set():
-            return None
-        ops = self.ops
-        look_ahead = [ops.new_state(ops.read(w)) for w in self.weights]
-        for w, kept in zip(self.weights, self.real):
-            ops.assign(w, ops.read(kept))
-        self._aside = look_ahead
-        return look_ahead
-
-    def show_back(self, token: Optional[List[Tensor]]) -> None:
-        self._aside = None
-        if token is not None and self.ahead.is_set():
-            for w, ahead in zip(self.weights, token):
-                self.ops.assign(w, self.ops.read(ahead))
-
     # ------------------------------------------------------------------------ checkpointing
     def state(self) -> List[Tensor]:
         return [*self.second.state(), *self.ahead.state(), *self.real, *self.local]
@@ -269,7 +232,7 @@ class SplitBatch(Correction):
         real = copy(self.real) if ahead else None
         kept = sorted(names[i] for i in self._kept) if self.eager else list(names)
         return {"kind": self.name, "fresh_fraction": self.fresh, "second": second, "ahead": ahead,
-                "real": real, "look_ahead": copy(self._aside if self._aside is not None else self.weights) if ahead
+                "real": real, "look_ahead": copy(self.shown_weights()) if ahead
                 else None, "local": copy(self.local) if second else None, "kept": kept if second else [],
                 "kept_scale": self._kept_scale if second else None, "real_weights": real}
 
