@@ -107,11 +107,17 @@ class Launch:
 
     def bound(self, key: str) -> float:
         """What any schedule of this update can reach at best: max(compute, its all-reduce); for
-        split_batch (one all-reduce per update, behind the look-ahead half only),
-        max(compute / 2, all-reduce) + compute / 2."""
+        split_batch (one all-reduce per update), max(compute, fresh forward + all-reduce): the
+        update's sum can start no earlier than the fresh half's backward pass (its buckets go as
+        their gradients arrive) and must be done before the next update's fresh half starts."""
         if calls(key) == 2:
-            return max(self.compute / 2, self.comm(codec_of(key))) + self.compute / 2
+            return max(self.compute, self.fresh_forward + self.comm(codec_of(key)))
         return max(self.compute, self.comm(codec_of(key)))
+
+    @property
+    def fresh_forward(self) -> float:
+        """split_batch's fresh half's forward pass (half of a whole batch's: ``fresh_fraction`` 1/2)."""
+        return self.median("forward") / 2
 
     def loop(self, key: str) -> Optional[float]:
         """The engine-free width-2 loop with this configuration's codec (plain width-2 rows)."""
@@ -214,8 +220,9 @@ def fit_model(launch: Launch) -> Model:
     step = {key: sync_iteration_time(launch.compute, comm["none"], h) for key, h in overlap.items()}
     for key in (k for k in launch.configs if k.startswith("w2")):
         c = codec_of(key)
-        if calls(key) == 2:  # split_batch: the all-reduce hides behind the look-ahead half, then the fresh half
-            step[key] = pipelined_iteration_time(launch.compute / 2, comm[c], f[c]) + launch.compute / 2
+        if calls(key) == 2:  # split_batch: the all-reduce starts in the fresh half's backward pass
+            ahead = launch.fresh_forward
+            step[key] = ahead + pipelined_iteration_time(launch.compute - ahead, comm[c], f[c])
         else:
             step[key] = pipelined_iteration_time(launch.compute, comm[c], f[c])
     # every prediction is made; only the rows the launch ran are kept (and compared)

@@ -104,21 +104,23 @@ def test_model_gets_parts_only_and_reproduces_them():
     assert model.step["w1"] == pytest.approx(la.compute + (1 - h) * model.comm["none"], rel=1e-9)
 
 
-def test_a_split_batch_update_is_two_calls_hiding_its_one_all_reduce_behind_the_look_ahead_half():
+def test_a_split_batch_update_is_two_calls_whose_one_all_reduce_starts_in_the_fresh_half_s_backward():
     la = made_up()
     assert calls("w2-split-int8") == 2 and calls("w2-int8") == 1
-    # one all-reduce of 0.451 s per update behind half of a compute of 0.201 s, then the other half
-    assert la.bound("w2-split-int8") == pytest.approx(0.451 + 0.201 / 2)
+    # one all-reduce of 0.451 s per update, after the fresh half's forward pass (half of 0.071 s)
+    assert la.bound("w2-split-int8") == pytest.approx(0.451 + 0.071 / 2)
     assert la.bound("w2-int8") == pytest.approx(0.451)
     model = fit_model(la)
-    assert model.step["w2-split-int8"] == pytest.approx(model.comm["int8"] + 0.201 / 2, rel=1e-9)
-    # compute off the cores (no interference): max(half the compute, the all-reduce) + half the compute
-    for compute in (0.2, 0.8):     # int4's all-reduce (0.3 s) longer, then shorter than half of compute
+    assert model.step["w2-split-int8"] == pytest.approx(model.comm["int8"] + 0.071 / 2, rel=1e-9)
+    # compute off the cores (no interference): the fresh forward, then width 2's over the rest
+    for compute in (0.2, 0.8):     # int4's all-reduce (0.3 s) longer, then shorter than the rest of compute
         off = made_up(compute=compute)
         off.raw["offloaded"] = True
         model = fit_model(off)
-        half = (compute + 0.001) / 2
-        assert model.step["w2-split-int4"] == pytest.approx(max(half, model.comm["int4"]) + half)
+        fresh_forward = 0.071 / 2
+        rest = compute + 0.001 - fresh_forward
+        assert model.step["w2-split-int4"] == pytest.approx(fresh_forward + max(rest, model.comm["int4"]))
+        assert off.bound("w2-split-int4") == pytest.approx(max(compute + 0.001, fresh_forward + 0.3 + 0.001), abs=2e-3)
     assert la.loop("w2-split-int8") is None and la.loop("w2-int8") == pytest.approx(0.491)
 
 
@@ -127,10 +129,10 @@ def test_targets_come_from_the_launch():
     found = {t.name: t for t in targets([la], [fit_model(la)])}
     int8 = next(t for name, t in found.items() if "int8 (EF) >= 3.5x" in name)
     assert not int8.met and int8.measured == f"{0.951 / 0.491:.2f}x"
-    # every pipelined row within 10% of its bound (split int8: 0.5515 / 0.571 = 97%)
-    assert all(t.met for name, t in found.items() if "within 10% of its bound" in name)
+    # every plain pipelined row within 10% of its bound; split int8's: 0.4865 / 0.571 = 85%, missed
+    assert all(t.met for name, t in found.items() if "within 10% of its bound" in name and "split" not in name)
     split = next(t for name, t in found.items() if "split_batch + int8 (EF) within 10%" in name)
-    assert split.measured == "bound / step = 97%"
+    assert not split.met and split.measured == "bound / step = 85%"
     cpu = {c: next(t for name, t in found.items() if name.endswith(f" {c} all-reduce's CPU on a rank < 20% of compute"))
            for c in CODECS}
     assert cpu["fp16"].met and not cpu["int8"].met                      # 0.1 s against 20% of 0.201 s
@@ -157,7 +159,7 @@ def test_a_record_renders_one_row_per_configuration_the_targets_and_the_plot(tmp
               "launches": [dataclasses.asdict(two)]}
     text = render(record, tmp_path / "throughput.png")
     assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| pipesgd width 2 + split_batch + int8 (EF) | 571 | 1.67x | 552 | 97% |  |" in text
+    assert "| pipesgd width 2 + split_batch + int8 (EF) | 571 | 1.67x | 487 | 85% |  |" in text
     assert "| pipesgd width 2 + int8 (EF) | 491 | 1.94x | 451 | 92% | 491 (1.00) |" in text
     assert "pipesgd width 1 |" not in text and "HOROVOD_CYCLE_TIME=20" in text
     # comm/compute 0.801 / 0.201 = 3.99 misses the aim 5 by 20%

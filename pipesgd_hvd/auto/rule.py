@@ -14,7 +14,8 @@ The rule, from the timing model (``pipesgd_hvd.auto.model``), on numbers measure
 * a pipelined step is predicted at ``max(compute + reduction CPU, reduction)``: the reduction
   hides behind compute, but the CPU it needs (the codec, the transport) is taken from compute,
   which owns the rank's cores. With ``staleness_correction="split_batch"`` a step is an update of
-  two calls, and its reduction hides behind the look-ahead part's compute only (a share 1 - f):
+  two calls, and its reduction is counted as hidden behind the look-ahead part's compute only (a
+  share 1 - f; the buckets that leave during the fresh part's backward pass hide a little more):
   ``max((1 - f) compute + reduction CPU, reduction) + f compute``;
 * where each host holds several ranks and there are several hosts, a byte codec is a candidate
   twice: reduced hierarchically (``"int8/hier"``: float32 inside the host, compressed between
