@@ -72,6 +72,10 @@ class TensorOps(Protocol):
     def assign(self, state: Tensor, value: Tensor) -> Tensor:
         """Overwrite a holder made by :meth:`new_state`; returns the holder."""
     def read(self, state: Tensor) -> Tensor: ...
+    def assign_scaled(self, state: Tensor, x: Tensor, scale: Any, accumulate: bool = False) -> Tensor:
+        """``state = x * scale``, or with ``accumulate`` ``state += x * scale`` (the same rounding as
+        those expressions); returns the holder. Eagerly without the temporary and the copy of
+        ``assign``: the accurate mode does it to every gradient twice per update."""
     def to_numpy(self, x: Tensor) -> Any:
         """A host numpy array (zero-copy where the framework allows)."""
     def from_numpy(self, a: Any, like: Optional[Tensor] = None) -> Tensor: ...

@@ -133,6 +133,11 @@ class NumpyOps:
     def read(self, state: np.ndarray) -> np.ndarray:
         return state
 
+    def assign_scaled(self, state: np.ndarray, x: np.ndarray, scale: Any, accumulate: bool = False) -> np.ndarray:
+        if accumulate:
+            return np.add(state, x * scale, out=state)
+        return np.multiply(x, scale, out=state)
+
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
 

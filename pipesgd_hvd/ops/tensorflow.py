@@ -162,6 +162,13 @@ class TensorFlowOps:
     def read(self, state: Any) -> tf.Tensor:
         return state.read_value() if isinstance(state, tf.Variable) else tf.convert_to_tensor(state)
 
+    def assign_scaled(self, state: Any, x: Any, scale: Any, accumulate: bool = False) -> Any:
+        if accumulate:
+            state.assign_add(x * scale)
+        else:
+            state.assign(x * scale)
+        return state
+
     def kernel_address(self, x: Any) -> Optional[int]:
         # A graph tensor has no address, and TensorFlow owns its buffers: CPU tensors reach the
         # kernels through tf_kernels (kernel_device below), eager or traced alike.

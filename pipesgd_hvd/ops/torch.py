@@ -151,6 +151,11 @@ class TorchOps:
     def read(self, state: torch.Tensor) -> torch.Tensor:
         return state
 
+    def assign_scaled(self, state: torch.Tensor, x: torch.Tensor, scale: Any, accumulate: bool = False) -> torch.Tensor:
+        if accumulate:
+            return state.add_(x * scale)  # not add_(x, alpha=scale): that one may fuse (another rounding)
+        return torch.mul(x, scale, out=state)
+
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
         if x.device.type != "cpu" or self.streams.cuda.device_of(x) is not None:
             raise ValueError(f"to_numpy needs a host tensor, got one on {x.device}: a transport that moves host "

@@ -124,12 +124,14 @@ class SplitBatch(LookAheadCorrection):
         if self.eager:
             if not self.second.is_set():
                 self._kept.add(index)
-                return ops.assign(kept, grad * (1.0 - self.fresh))
+                return ops.assign_scaled(kept, grad, 1.0 - self.fresh)
             self._sent.add(index)
             if index not in self._kept:
-                return ops.assign(kept, grad * self.fresh)
+                return ops.assign_scaled(kept, grad, self.fresh)
             self._kept.discard(index)
-            return ops.assign(kept, self._rescaled(ops.read(kept)) + grad * self.fresh)
+            if self._ratio is not None:
+                ops.assign_scaled(kept, kept, self._ratio)
+            return ops.assign_scaled(kept, grad, self.fresh, accumulate=True)
         second = self.second.get()
         ops.assign(kept, ops.where(second, ops.read(kept) + grad * self.fresh, grad * (1.0 - self.fresh)))
         return ops.read(kept)
