@@ -175,24 +175,6 @@ def test_a_flush_mid_training_ends_the_pair_and_training_goes_on():
     assert_same(got[0], [p.detach().clone() for p in model.parameters()])
 
 
-def test_real_weights_shows_theta_t_and_puts_the_look_ahead_back():
-    world, batches = LocalWorld(1, TORCH_OPS), make_batches(4, 1)
-    model = make_model()
-    opt = psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
-                                    communicator=world.communicator(0), width=2, staleness_correction="acco")
-    for t in range(2):  # fill, then a virtual step: the model holds the look-ahead
-        opt.zero_grad()
-        loss_fn(model, batches[t][0]).backward()
-        opt.step()
-    look_ahead = [p.detach().clone() for p in model.parameters()]
-    real = [s.clone() for s in opt.core.correction.real]
-    assert not all(torch.equal(a, b) for a, b in zip(look_ahead, real))
-    with opt.real_weights():
-        assert_same([p.detach() for p in model.parameters()], real)
-        assert torch.is_grad_enabled()
-    assert_same([p.detach() for p in model.parameters()], look_ahead)
-
-
 def test_checkpoint_mid_pair_resumes_bit_for_bit(tmp_path):
     """A checkpoint after a virtual step (the model holds the look-ahead, avg B in flight), saved
     inside real_weights() even, resumes to the same weights as an uninterrupted run."""

@@ -205,12 +205,14 @@ def test_int8_replicas_stay_identical_and_the_look_aheads_differ():
     assert not all(torch.equal(a, b) for a, b in zip(ahead0, ahead1)), "each rank's look-ahead is its own"
 
 
-def test_real_weights_shows_theta_and_puts_the_look_ahead_back():
+@pytest.mark.parametrize("correction", ["split_batch", "acco"])
+def test_real_weights_shows_theta_and_puts_the_look_ahead_back(correction):
+    """staleness/look_ahead.py, which both corrections share."""
     world, batches = LocalWorld(1, TORCH_OPS), make_batches(4, 1)
     model = make_model()
     opt = psgd.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
-                                    communicator=world.communicator(0), width=2, staleness_correction="split_batch")
-    for t in range(2):  # a pair: the model holds the look-ahead, update 0 in flight
+                                    communicator=world.communicator(0), width=2, staleness_correction=correction)
+    for t in range(2):  # a pair (ACCO: fill, then a virtual step): the model holds the look-ahead
         opt.zero_grad()
         loss_fn(model, batches[t][0]).backward()
         opt.step()

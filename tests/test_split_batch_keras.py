@@ -12,7 +12,7 @@ import pipesgd_hvd.keras as psgd  # noqa: E402
 from pipesgd_hvd.ops.tensorflow import TensorFlowOps  # noqa: E402
 from pipesgd_hvd.testing import LocalWorld  # noqa: E402
 from test_staleness_corrections_keras import batches, gradients, make_model  # noqa: E402
-from threads import run_threads  # noqa: E402
+from test_staleness_corrections_keras import train as train_with  # noqa: E402
 
 CALLS = 9  # odd: the run ends after a call A (its part kept): flush() reduces it on its own
 
@@ -22,25 +22,8 @@ def inner():
 
 
 def train(traced, ranks=2, width=2, calls=CALLS, **options):
-    """Each rank's final weights (after flush())."""
-    data = batches(calls, ranks)
-
-    def rank_fn(rank, comm):
-        model = make_model()
-        opt = psgd.DistributedOptimizer(inner(), communicator=comm, width=width, staleness_correction="split_batch",
-                                        **options)
-        opt.build(model.trainable_variables)
-
-        def step(x, y):
-            opt.apply_gradients(zip(gradients(model, (x, y)), model.trainable_variables))
-
-        run = tf.function(step) if traced else step
-        for t in range(calls):
-            run(*data[t][rank])
-        opt.flush()
-        return [v.numpy() for v in model.trainable_variables]
-
-    return run_threads(LocalWorld(ranks, TensorFlowOps()), rank_fn, timeout=120), data
+    """Each rank's final weights (after flush()) and the batches."""
+    return train_with(traced, ranks, width, calls=calls, make_inner=inner, staleness_correction="split_batch", **options)
 
 
 def reference(data, ranks=2, calls=CALLS, traced=False, width=2):

@@ -42,20 +42,21 @@ def inner():
     return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
-def train(traced, ranks=2, width=2, **options):
-    """Each rank's final weights (after flush())."""
-    data = batches(STEPS, ranks)
+def train(traced, ranks=2, width=2, calls=STEPS, make_inner=inner, **options):
+    """Each rank's final weights (after flush()) and the batches, ``calls`` of them per rank
+    (test_acco_keras.py and test_split_batch_keras.py train with this too)."""
+    data = batches(calls, ranks)
 
     def rank_fn(rank, comm):
         model = make_model()
-        opt = psgd.DistributedOptimizer(inner(), communicator=comm, width=width, **options)
+        opt = psgd.DistributedOptimizer(make_inner(), communicator=comm, width=width, **options)
         opt.build(model.trainable_variables)
 
         def step(x, y):
             opt.apply_gradients(zip(gradients(model, (x, y)), model.trainable_variables))
 
         run = tf.function(step) if traced else step
-        for t in range(STEPS):
+        for t in range(calls):
             run(*data[t][rank])
         opt.flush()
         return [v.numpy() for v in model.trainable_variables]
