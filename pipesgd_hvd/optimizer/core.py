@@ -86,6 +86,7 @@ SYNCHRONIZE_THEN_STEP = ("optimizer.step() called without optimizer.skip_synchro
                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
+
 class OptimizerCore(Lifecycle):
     """One pipelined optimizer's state and per-step policy (see the module docstring)."""
 
