@@ -30,10 +30,11 @@ kept part as an update of its own (nothing computed is lost).
 
 Costs: one copy of the weights (theta aside while the model holds the look-ahead) and one of the
 gradients (this rank's sum, kept between the calls); the look-ahead's step leaves the optimizer's
-state alone, by the framework's stateless step where it has one (PyTorch's SGD, Adam, AdamW), else
-by saving the state and putting it back (one copy of it). Per update one more optimizer step (the
-look-ahead's), and one all-reduce of the whole gradient. Comm-bound, an update takes max((1 - f) compute, all-reduce) +
-f compute.
+state alone, by the framework's stateless step where it has one (PyTorch's SGD, Adam, AdamW: a copy
+of one parameter's state at a time), else by saving the state and putting it back (one copy of it).
+Per update one more optimizer step (the look-ahead's), and one all-reduce of the whole gradient,
+which starts as part B's backward pass hands over its buckets: comm-bound, an update takes about
+part B's forward pass + the all-reduce.
 
 Written once over :class:`~pipesgd_hvd.ops.base.TensorOps`: Python bools where PyTorch's core
 decides on the host, traced booleans inside Keras's step.
