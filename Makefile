@@ -48,9 +48,11 @@ bench-memory: install
 
 # The accuracy study (issue 30, benchmarks/accuracy/): writes docs/accuracy.md, docs/accuracy.json (the record)
 # and docs/img/accuracy.png; 4 SGD tasks, a standard and a stress language model (AdamW), the NAdamW and Muon
-# recipes, every staleness correction. 2.4 h on 2 cores shared with other jobs (2026-12-07: the SGD tasks 27 min,
-# the language models 1.9 h). Subsets: python -m benchmarks.accuracy --tasks ... --configs ...
-# --seeds N --steps N --no-doc --record PATH; --from-record PATH rewrites the page from a saved record.
+# recipes, at 2 and 4 ranks: many hours on 2 cores. docs/accuracy.md came from subsets, measured 2026-12-07/08:
+# the SGD tasks at 2 and 4 ranks 74 min; stdlib-lm 46 min at 2 ranks (--lr 0.002), 60 min at 4 (--configs sync
+# w2-split-int8 w2-acco-int8); pydoc-lm 4 min at 2 ranks. Subsets: python -m benchmarks.accuracy --tasks ...
+# --configs ... --ranks ... --seeds N --steps N --no-doc --record PATH; --from-record PATH ... rewrites the page
+# from saved records.
 accuracy: install
 	$(PY) -m benchmarks.accuracy
 
