@@ -32,14 +32,16 @@ bench: install
 	$(PY) -m benchmarks.throughput
 	$(PY) -m benchmarks.throughput --offload-compute --four-hosts ''
 	$(PY) -m benchmarks.throughput --hierarchical
-	$(PY) -m benchmarks.throughput --models
+	$(PY) -m benchmarks.throughput --models --hosts 2
 
 # ResNet-50, BERT-base and GPT-2 small at real size on the emulated cluster (issue 42; needs root): compute off the
-# cores at published GPU step times, 2 and 4 hosts, comm ~5x then ~1x compute; the "model-zoo" section of
-# docs/benchmarks.md, samples in build/model-zoo.json. 25-40 min on this 2-core machine (estimated from 1-round
-# launches; --steps 2 takes a quarter off). Subsets: python -m benchmarks.throughput --models resnet50 --hosts 2 --no-doc
+# cores at published GPU step times, comm ~5x then ~1x compute; the "model-zoo" section of docs/benchmarks.md,
+# samples in build/model-zoo.json. 2 hosts here: 4 hosts of BERT-base or GPT-2 need ~25 GiB on one machine (a
+# 4-host BERT-base rank was killed for memory on this 24 GB one, 2026-12-08); add --hosts 2 4 on a larger one.
+# About 15 min here (estimated from 1-round launches; --steps 2 takes a quarter off). Subsets: python -m
+# benchmarks.throughput --models resnet50 --hosts 2 4 --no-doc
 bench-models: install
-	$(PY) -m benchmarks.throughput --models
+	$(PY) -m benchmarks.throughput --models --hosts 2
 
 # Peak memory per rank of each configuration beside Horovod's on the same models (2 ranks here, one horovodrun
 # launch per configuration, AdamW): the "memory" section of docs/benchmarks.md, samples in build/memory.json.

@@ -210,6 +210,9 @@ def measure_zoo(args: argparse.Namespace, launch: Callable[..., Launch] = run_la
     from . import models
     from .report import machine_line
 
+    for name in args.models:  # every launch checked before the first: a refusal loses nothing measured
+        for hosts in args.hosts:
+            zoo.check_memory(name, 4 * models.zoo(name).parameters, hosts, available())
     load_before, start = os.getloadavg(), time.perf_counter()
     plans, settings, launches = [], [], []
     for name in args.models:

@@ -30,10 +30,11 @@ EFFICIENCY = 0.97
 #: Seconds a float32 all-reduce takes beyond its wire time on these links, guessed for a model's first
 #: launch (the throughput study's calibration found 22 ms for 16.8 MB on 2 hosts).
 FIXED_GUESS = 0.03
-#: Bytes of memory a rank of a model-zoo launch holds at most, in gradients (the offloaded gradients'
-#: pool and the weights at most 1, the collectives' buffers 1, a configuration's .grad, pipeline
-#: buffers, residuals and split_batch's copies at most 6): what the launches are checked against.
-RANK_MEMORY_GRADIENTS = 8.0
+#: Bytes of memory a rank of a model-zoo launch holds at most, in gradients: what the launches are
+#: checked against. Measured, not summed from the parts: a bert-base rank of a 4-host launch reached
+#: 5.9 GB resident (13.5 gradients; its ranks keep freed memory mapped, KEEP_FREED) when the kernel
+#: killed it for memory on this 24 GB machine (2026-12-08); 8, the parts' sum, had let it start.
+RANK_MEMORY_GRADIENTS = 14.0
 #: Malloc settings of a model-zoo rank: freed memory stays mapped, as a GPU's caching allocator keeps
 #: it, so that a step's new gradient tensors are not page-faulted afresh each time (on a GPU they are not).
 KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31)}

@@ -67,9 +67,9 @@ def test_a_launch_rate_puts_horovods_ring_at_its_aim_times_compute():
 
 
 def test_launches_that_would_not_fit_are_refused_naming_the_fix():
-    zoo.check_memory("gpt2", 497_759_232, 4, 20 * 2**30)  # 4 x 8 x 498 MB = 14.8 GiB fits in 20
-    with pytest.raises(RuntimeError, match=r"gpt2 on 4 hosts needs about 14.8 GiB .* 10.0 GiB are available: .*--hosts 2"):
-        zoo.check_memory("gpt2", 497_759_232, 4, 10 * 2**30)
+    zoo.check_memory("gpt2", 497_759_232, 4, 30 * 2**30)  # 4 x 14 x 498 MB = 26.0 GiB fits in 30
+    with pytest.raises(RuntimeError, match=r"gpt2 on 4 hosts needs about 26.0 GiB .* 23.0 GiB are available: .*--hosts 2"):
+        zoo.check_memory("gpt2", 497_759_232, 4, 23 * 2**30)  # this machine: refused before it starts
     zoo.check_memory("gpt2", 497_759_232, 4, None)  # no /proc/meminfo: not checked
 
 
@@ -119,8 +119,10 @@ def test_measure_plans_each_models_launches_largest_aim_first_from_the_last_ones
     assert launched[0][3] == zoo.rate_for(plan(), 2, 5.0, 0.03)
     assert launched[1][3] == zoo.rate_for(plan(), 2, 1.0, 0.04 + 817.825e6 / (0.97 * 1560e6) - 817.825e6 / (0.97 * 1560e6))
     assert record["plans"] == [dataclasses.asdict(plan())] and [s["model"] for s in record["settings"]] == ["resnet50"] * 4
-    with pytest.raises(RuntimeError, match="resnet50 on 2 hosts needs about"):
-        throughput.measure_zoo(args, launch=fake_launch, available=lambda: 2**20)
+    launched.clear()
+    with pytest.raises(RuntimeError, match="resnet50 on 4 hosts needs about"):  # 2 hosts would fit in 4 GiB
+        throughput.measure_zoo(args, launch=fake_launch, available=lambda: 4 * 2**30)
+    assert launched == []  # every launch is checked before the first: nothing measured is lost
 
 
 def test_a_zoo_record_renders_per_model_rows_and_the_issue_targets():
